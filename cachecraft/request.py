@@ -1,0 +1,56 @@
+"""RagRequest and Chunk: what a caller hands to `LLM.generate` (validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cachecraft.errors import BadRequestError
+
+DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using the documents."
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One retrieved passage. `id` is a label for reports, never the cache key."""
+
+    text: str
+    id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise BadRequestError(f"chunk text must be a string, got {type(self.text).__name__}")
+        if not self.text.strip():
+            raise BadRequestError("chunk text is empty")
+        if self.id is not None and not isinstance(self.id, str):
+            raise BadRequestError(f"chunk id must be a string, got {type(self.id).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class RagRequest:
+    """[system prefix][chunk 1]...[chunk k][question]. No chunks is fine; no question is not."""
+
+    question: str
+    chunks: tuple[Chunk, ...] = field(default_factory=tuple)
+    system: str = DEFAULT_SYSTEM
+    namespace: str = "default"
+
+    def __init__(
+        self,
+        question: str,
+        chunks: list[Chunk] | tuple[Chunk, ...] | list[str] = (),
+        system: str | None = None,
+        namespace: str = "default",
+    ) -> None:
+        if not isinstance(question, str) or not question.strip():
+            raise BadRequestError("the question is empty")
+        if isinstance(chunks, str | bytes) or not isinstance(chunks, list | tuple):
+            raise BadRequestError("chunks must be a list of Chunk or str")
+        items = tuple(c if isinstance(c, Chunk) else Chunk(c) for c in chunks)
+        if system is not None and not isinstance(system, str):
+            raise BadRequestError("system must be a string")
+        if not isinstance(namespace, str) or not namespace:
+            raise BadRequestError("namespace must be a non-empty string")
+        object.__setattr__(self, "question", question)
+        object.__setattr__(self, "chunks", items)
+        object.__setattr__(self, "system", DEFAULT_SYSTEM if system is None else system)
+        object.__setattr__(self, "namespace", namespace)

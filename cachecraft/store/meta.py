@@ -1,0 +1,60 @@
+"""VariantMeta: the metadata of one chunk-cache variant (cache-craft.md §2). Torch-free.
+
+The planner reads only this; the K/V tensors live in `variant.Variant`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+def variant_id_of(chunk_key: str, prefix_key: str, s_old: tuple[str, ...]) -> str:
+    """Stable id of the variant of `chunk_key` computed after prefix `prefix_key` and the chunks
+    `s_old` (in order)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(chunk_key.encode() + b"\x01" + prefix_key.encode())
+    for key in s_old:
+        h.update(b"\x00" + key.encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class VariantMeta:
+    """What was measured when a chunk was prefilled in full after `s_old`.
+
+    inter[j][l]: head-averaged attention mass, summed over this chunk's tokens, that layer l put
+                 on the tokens of s_old[j] (the system prefix is never in s_old).
+    intra[l]:    the same mass on the chunk's own tokens (causal, m <= k).
+    token_scores[t]: per token, mean over layers of its mass on all s_old chunks (ranks recompute).
+    cci:         Cache Context Impact, in [0.5, 1).
+    prefix_key:  hash of the system-prefix token ids it was computed after; with s_old it makes
+                 the variant exact for a request with that same prefix and those leading chunks.
+    """
+
+    chunk_key: str
+    prefix_key: str
+    s_old: tuple[str, ...]
+    s_old_sizes: tuple[int, ...]
+    num_tokens: int
+    num_layers: int
+    inter: tuple[tuple[float, ...], ...]
+    intra: tuple[float, ...]
+    token_scores: tuple[float, ...]
+    cci: float
+
+    @property
+    def variant_id(self) -> str:
+        return variant_id_of(self.chunk_key, self.prefix_key, self.s_old)
+
+    def inter_total(self) -> tuple[float, ...]:
+        """inter summed over layers, one value per chunk of s_old."""
+        return tuple(sum(per_layer) for per_layer in self.inter)
+
+    def __post_init__(self) -> None:
+        if len(self.inter) != len(self.s_old) or len(self.s_old_sizes) != len(self.s_old):
+            raise ValueError("inter and s_old_sizes need one entry per chunk of s_old")
+        if len(self.token_scores) != self.num_tokens:
+            raise ValueError("token_scores needs one score per token")
+        if len(self.intra) != self.num_layers:
+            raise ValueError("intra needs one value per layer")
