@@ -1,0 +1,144 @@
+"""Variant <-> safetensors: tensor naming (`k.{l}`, `v.{l}`), JSON metadata, int8, checksums.
+
+Owns the on-disk / on-wire format of one variant; never decides where it is stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from cachecraft.store.meta import VariantMeta
+from cachecraft.store.variant import Variant
+
+FORMAT = "cachecraft-variant-1"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CorruptVariantError(ValueError):
+    """Stored bytes fail their checksum or cannot be decoded."""
+
+
+def checksum(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def meta_to_json(meta: VariantMeta) -> str:
+    return json.dumps(dataclasses.asdict(meta), separators=(",", ":"))
+
+
+def meta_from_json(text: str) -> VariantMeta:
+    d = json.loads(text)
+    return VariantMeta(
+        chunk_key=d["chunk_key"],
+        prefix_key=d["prefix_key"],
+        s_old=tuple(d["s_old"]),
+        s_old_sizes=tuple(d["s_old_sizes"]),
+        num_tokens=d["num_tokens"],
+        num_layers=d["num_layers"],
+        inter=tuple(tuple(row) for row in d["inter"]),
+        intra=tuple(d["intra"]),
+        token_scores=tuple(d["token_scores"]),
+        cci=d["cci"],
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"unsupported K/V dtype {dtype}")
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per channel: x [heads, tokens, dim] -> q, scale [heads,1,dim]."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-2, keepdim=True).clamp(min=1e-8) / 127.0
+    q = torch.round(xf / scale).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+def encode(variant: Variant, int8: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors (per layer `k.{l}`/`v.{l}` [heads, tokens, dim], plus `ks.{l}`/`vs.{l}` scales
+    when int8) and header metadata for one variant."""
+    tensors: dict[str, torch.Tensor] = {}
+    keys = variant.keys.detach().cpu()
+    values = variant.values.detach().cpu()
+    for layer in range(keys.shape[0]):
+        for name, t in (("k", keys[layer]), ("v", values[layer])):
+            if int8:
+                q, scale = quantize_int8(t)
+                tensors[f"{name}.{layer}"] = q.contiguous()
+                tensors[f"{name}s.{layer}"] = scale.contiguous()
+            else:
+                tensors[f"{name}.{layer}"] = t.contiguous()
+    header = {
+        "format": FORMAT,
+        "meta": meta_to_json(variant.meta),
+        "dtype": _dtype_name(variant.keys.dtype),
+        "int8": "1" if int8 else "0",
+    }
+    return tensors, header
+
+
+def to_bytes(variant: Variant, int8: bool = False) -> bytes:
+    tensors, header = encode(variant, int8)
+    return st_save(tensors, metadata=header)
+
+
+def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {
+        name: checksum(t.contiguous().view(torch.uint8).numpy().tobytes())
+        for name, t in tensors.items()
+    }
+
+
+def decode_layer(
+    get: object, header: dict[str, str], layer: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of one layer ([heads, tokens, dim]) through `get(name) -> tensor`."""
+    fetch = get  # a callable: safe_open(...).get_tensor or dict.__getitem__
+    dtype = _DTYPES[header["dtype"]]
+    out = []
+    for name in ("k", "v"):
+        t = fetch(f"{name}.{layer}")  # type: ignore[operator]
+        if header.get("int8") == "1":
+            t = dequantize_int8(t, fetch(f"{name}s.{layer}"), dtype)  # type: ignore[operator]
+        out.append(t.to(device=device, dtype=dtype))
+    return out[0], out[1]
+
+
+def from_tensors(
+    tensors: dict[str, torch.Tensor], header: dict[str, str], device: torch.device | str = "cpu"
+) -> Variant:
+    if header.get("format") != FORMAT:
+        raise CorruptVariantError(f"unknown variant format {header.get('format')!r}")
+    meta = meta_from_json(header["meta"])
+    layers = [
+        decode_layer(tensors.__getitem__, header, layer, device) for layer in range(meta.num_layers)
+    ]
+    keys = torch.stack([k for k, _ in layers])
+    values = torch.stack([v for _, v in layers])
+    return Variant(meta, keys, values)
+
+
+def from_bytes(data: bytes, device: torch.device | str = "cpu") -> Variant:
+    """Decode safetensors bytes; raises CorruptVariantError if they cannot be decoded."""
+    try:
+        tensors = st_load(data)
+        header_len = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + header_len])["__metadata__"]
+        return from_tensors(tensors, header, device)
+    except CorruptVariantError:
+        raise
+    except Exception as exc:  # safetensors raises several types on garbage
+        raise CorruptVariantError(str(exc)) from exc

@@ -1,0 +1,331 @@
+"""DiskTier: one safetensors file per variant plus a SQLite index (WAL) of metadata and stats.
+
+Owns files and rows under one directory, their atomic writes (temp, fsync, rename inside the
+SQLite write lock), checksums on every read and crash recovery. Several processes may share the
+directory. It never chooses victims itself: the caller passes a `choose` function.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors.torch import save as st_save
+
+from cachecraft.store import codec
+from cachecraft.store.layers import FileLayerReader
+from cachecraft.store.meta import VariantMeta
+from cachecraft.store.policy import VariantStats
+from cachecraft.store.variant import Variant
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS variants (
+    variant_id TEXT PRIMARY KEY, chunk_key TEXT NOT NULL, file TEXT NOT NULL,
+    file_size INTEGER NOT NULL, checksum TEXT NOT NULL, tensor_sums TEXT NOT NULL,
+    meta TEXT NOT NULL, num_tokens INTEGER NOT NULL, nbytes INTEGER NOT NULL,
+    hits INTEGER NOT NULL DEFAULT 0, cfo_sum REAL NOT NULL DEFAULT 0,
+    freq REAL NOT NULL DEFAULT 0, last_tick REAL NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS variants_chunk ON variants(chunk_key);
+"""
+SUFFIX = ".safetensors"
+Chooser = Callable[[list[VariantStats], int], list[VariantStats] | None]
+
+
+class Recovery(NamedTuple):
+    """What opening the directory cleaned up."""
+
+    temp_files: int
+    orphan_files: int
+    rows_without_file: int
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DiskTier:
+    """Variants on local disk. Capacity counts file bytes (`SUM(file_size)`)."""
+
+    name = "disk"
+
+    def __init__(self, root: str | Path, capacity_bytes: int, int8: bool = False) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.int8 = int8
+        self.num_corrupt = 0
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(
+            self.root / "index.sqlite", timeout=30.0, check_same_thread=False, isolation_level=None
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        for stmt in SCHEMA.strip().split(";"):
+            if stmt.strip():
+                self._db.execute(stmt)
+        self.recovery = self.recover()
+
+    # -- transactions ---------------------------------------------------------------------
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE: holds SQLite's write lock, which also serializes renames and unlinks
+        across processes sharing the directory."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- recovery -------------------------------------------------------------------------
+    def recover(self) -> Recovery:
+        """Remove dead processes' temp files, files without a row and rows without a file."""
+        temp = orphans = rowless = 0
+        with self._write() as db:
+            for path in self.root.glob(".*.tmp"):
+                pid = int(path.name.split(".")[2]) if path.name.count(".") >= 3 else -1
+                if pid != os.getpid() and not _pid_alive(pid):
+                    logger.warning("removing half-written temp file %s", path.name)
+                    path.unlink(missing_ok=True)
+                    temp += 1
+            files = {p.name for p in self.root.glob("*" + SUFFIX)}
+            rows = dict(db.execute("SELECT file, variant_id FROM variants").fetchall())
+            for name in sorted(files - rows.keys()):
+                logger.warning("removing %s: not in the index", name)
+                (self.root / name).unlink(missing_ok=True)
+                orphans += 1
+            for name in sorted(rows.keys() - files):
+                logger.warning("dropping index row %s: its file is missing", rows[name])
+                db.execute("DELETE FROM variants WHERE variant_id=?", (rows[name],))
+                rowless += 1
+        return Recovery(temp, orphans, rowless)
+
+    # -- reads ----------------------------------------------------------------------------
+    def metas(self, chunk_key: str) -> list[VariantMeta]:
+        rows = self._query(
+            "SELECT meta FROM variants WHERE chunk_key=? ORDER BY rowid", (chunk_key,)
+        )
+        return [codec.meta_from_json(m) for (m,) in rows]
+
+    def __contains__(self, variant_id: object) -> bool:
+        return bool(self._query("SELECT 1 FROM variants WHERE variant_id=?", (variant_id,)))
+
+    def __len__(self) -> int:
+        return int(self._query("SELECT COUNT(*) FROM variants")[0][0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._query("SELECT COALESCE(SUM(file_size), 0) FROM variants")[0][0])
+
+    def chunk_keys(self) -> list[str]:
+        return [c for (c,) in self._query("SELECT DISTINCT chunk_key FROM variants ORDER BY 1")]
+
+    def all_stats(self) -> list[VariantStats]:
+        rows = self._query(
+            "SELECT variant_id, chunk_key, num_tokens, file_size, hits, cfo_sum, freq, last_tick "
+            "FROM variants"
+        )
+        return [VariantStats(*row) for row in rows]
+
+    def stats_of(self, variant_id: str) -> VariantStats | None:
+        return next((s for s in self.all_stats() if s.variant_id == variant_id), None)
+
+    def rows(self) -> list[dict[str, object]]:
+        """Index rows for listing (no tensors read)."""
+        cols = ("variant_id", "chunk_key", "num_tokens", "file_size", "hits", "cfo_sum", "freq")
+        got = self._query(f"SELECT {', '.join(cols)}, meta FROM variants ORDER BY chunk_key, rowid")
+        out = []
+        for row in got:
+            d = dict(zip(cols, row[:-1], strict=True))
+            d["s_old"] = list(json.loads(row[-1])["s_old"])
+            out.append(d)
+        return out
+
+    def _row(self, variant_id: str) -> tuple[str, int, str, str] | None:
+        got = self._query(
+            "SELECT file, file_size, checksum, tensor_sums FROM variants WHERE variant_id=?",
+            (variant_id,),
+        )
+        return got[0] if got else None
+
+    def get(self, variant_id: str, device: torch.device | str = "cpu") -> Variant | None:
+        """The variant, or None if absent; a missing, short or corrupt file is removed, logged
+        and reported as None (never served)."""
+        row = self._row(variant_id)
+        if row is None:
+            return None
+        file, size, want, _ = row
+        try:
+            data = (self.root / file).read_bytes()
+        except FileNotFoundError:
+            data = b""
+        if len(data) != size or codec.checksum(data) != want:
+            self._corrupt(variant_id, file, "checksum/size mismatch")
+            return None
+        try:
+            return codec.from_bytes(data, device)
+        except codec.CorruptVariantError as exc:
+            self._corrupt(variant_id, file, str(exc))
+            return None
+
+    def open_layers(
+        self, variant_id: str, device: torch.device | str = "cpu"
+    ) -> FileLayerReader | None:
+        row = self._row(variant_id)
+        if row is None:
+            return None
+        file, size, _, sums = row
+        path = self.root / file
+        try:
+            if path.stat().st_size != size:
+                raise codec.CorruptVariantError("size mismatch")
+            return FileLayerReader(
+                str(path),
+                json.loads(sums),
+                device,
+                on_corrupt=lambda: self._corrupt(variant_id, file, "tensor checksum"),
+            )
+        except (OSError, codec.CorruptVariantError, Exception) as exc:  # noqa: BLE001
+            self._corrupt(variant_id, file, f"cannot open: {exc}")
+            return None
+
+    def _corrupt(self, variant_id: str, file: str, why: str) -> None:
+        logger.warning("disk variant %s is corrupt (%s): removed, not served", variant_id, why)
+        self.num_corrupt += 1
+        self.delete(variant_id)
+
+    # -- writes ---------------------------------------------------------------------------
+    def put(self, variant: Variant, stats: VariantStats, choose: Chooser) -> list[str] | None:
+        """Write the variant atomically, evicting what `choose(residents, need_bytes)` picks.
+        Returns the evicted ids, or None if it was not stored (too big, or `choose` refused)."""
+        tensors, header = codec.encode(variant, self.int8)
+        data = st_save(tensors, metadata=header)
+        if len(data) > self.capacity_bytes:
+            return None
+        vid = variant.variant_id
+        file = vid + SUFFIX
+        tmp = self.root / f".{vid}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        evicted: list[str] = []
+        try:
+            with self._write() as db:
+                db.execute("DELETE FROM variants WHERE variant_id=?", (vid,))
+                used = db.execute("SELECT COALESCE(SUM(file_size),0) FROM variants").fetchone()[0]
+                need = used + len(data) - self.capacity_bytes
+                if need > 0:
+                    victims = choose([s for s in self.all_stats() if s.variant_id != vid], need)
+                    if victims is None:
+                        raise _Refused
+                    for s in victims:
+                        self._delete_locked(db, s.variant_id)
+                        evicted.append(s.variant_id)
+                os.replace(tmp, self.root / file)
+                db.execute(
+                    "INSERT INTO variants VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        vid, variant.chunk_key, file, len(data), codec.checksum(data),
+                        json.dumps(codec.tensor_checksums(tensors)), header["meta"],
+                        variant.meta.num_tokens, variant.nbytes, stats.hits, stats.cfo_sum,
+                        stats.freq, stats.last_tick,
+                    ),
+                )  # fmt: skip
+        except _Refused:
+            tmp.unlink(missing_ok=True)
+            return None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._fsync_dir()
+        return evicted
+
+    def update_stats(self, stats: VariantStats) -> None:
+        with self._write() as db:
+            db.execute(
+                "UPDATE variants SET hits=?, cfo_sum=?, freq=?, last_tick=? WHERE variant_id=?",
+                (stats.hits, stats.cfo_sum, stats.freq, stats.last_tick, stats.variant_id),
+            )
+
+    def delete(self, variant_id: str) -> bool:
+        with self._write() as db:
+            return self._delete_locked(db, variant_id)
+
+    def remove_chunk(self, chunk_key: str) -> int:
+        ids = [
+            v
+            for (v,) in self._query(
+                "SELECT variant_id FROM variants WHERE chunk_key=?", (chunk_key,)
+            )
+        ]
+        return sum(self.delete(v) for v in ids)
+
+    def clear(self) -> int:
+        ids = [v for (v,) in self._query("SELECT variant_id FROM variants")]
+        return sum(self.delete(v) for v in ids)
+
+    def _delete_locked(self, db: sqlite3.Connection, variant_id: str) -> bool:
+        row = db.execute("SELECT file FROM variants WHERE variant_id=?", (variant_id,)).fetchone()
+        if row is None:
+            return False
+        db.execute("DELETE FROM variants WHERE variant_id=?", (variant_id,))
+        (self.root / row[0]).unlink(missing_ok=True)
+        return True
+
+    def _fsync_dir(self) -> None:
+        try:
+            fd = os.open(self.root, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- invariant ------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless rows and files agree one to one, sizes match, no temp
+        file of this process is left and the tier is within capacity."""
+        with self._lock:
+            rows = self._query("SELECT variant_id, file, file_size FROM variants")
+            files = {p.name: p.stat().st_size for p in self.root.glob("*" + SUFFIX)}
+            assert {f for _, f, _ in rows} == set(files), "index rows and files disagree"
+            for vid, file, size in rows:
+                assert file == vid + SUFFIX, f"row {vid} names {file}"
+                assert files[file] == size, f"{file}: {files[file]} bytes, index says {size}"
+            mine = [p for p in self.root.glob(f".*.{os.getpid()}.*.tmp")]
+            assert not mine, f"temp files left behind: {mine}"
+            assert self.nbytes <= self.capacity_bytes, "disk tier over capacity"
+
+
+class _Refused(Exception):
+    pass

@@ -1,0 +1,81 @@
+"""RamTier: variants held as tensors on one device (accelerator memory or host RAM).
+
+Owns the tensors and a per-chunk index; never chooses victims (the tiered store does, through
+the eviction policy) and never evicts on its own: `put` assumes room was made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cachecraft.store.meta import VariantMeta
+from cachecraft.store.variant import Variant
+
+
+class RamTier:
+    def __init__(self, name: str, capacity_bytes: int, device: torch.device | str = "cpu") -> None:
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.device = torch.device(device)
+        self._variants: dict[str, Variant] = {}
+        self._by_chunk: dict[str, list[str]] = {}
+        self.nbytes = 0
+
+    def __contains__(self, variant_id: object) -> bool:
+        return variant_id in self._variants
+
+    def __len__(self) -> int:
+        return len(self._variants)
+
+    def ids(self) -> list[str]:
+        return list(self._variants)
+
+    def chunk_ids(self, chunk_key: str) -> list[str]:
+        return list(self._by_chunk.get(chunk_key, ()))
+
+    def metas(self, chunk_key: str) -> list[VariantMeta]:
+        return [self._variants[v].meta for v in self._by_chunk.get(chunk_key, ())]
+
+    def get(self, variant_id: str) -> Variant | None:
+        return self._variants.get(variant_id)
+
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.nbytes
+
+    def put(self, variant: Variant) -> None:
+        vid = variant.variant_id
+        self.delete(vid)
+        if variant.keys.device != self.device:
+            variant = Variant(
+                variant.meta,
+                variant.keys.to(self.device, non_blocking=True),
+                variant.values.to(self.device, non_blocking=True),
+            )
+        self._variants[vid] = variant
+        self._by_chunk.setdefault(variant.chunk_key, []).append(vid)
+        self.nbytes += variant.nbytes
+
+    def delete(self, variant_id: str) -> bool:
+        variant = self._variants.pop(variant_id, None)
+        if variant is None:
+            return False
+        self.nbytes -= variant.nbytes
+        ids = self._by_chunk[variant.chunk_key]
+        ids.remove(variant_id)
+        if not ids:
+            del self._by_chunk[variant.chunk_key]
+        return True
+
+    def clear(self) -> None:
+        self._variants.clear()
+        self._by_chunk.clear()
+        self.nbytes = 0
+
+    def check_integrity(self) -> None:
+        total = sum(v.nbytes for v in self._variants.values())
+        assert total == self.nbytes, f"{self.name}: nbytes {self.nbytes} != {total}"
+        assert self.nbytes <= self.capacity_bytes, f"{self.name} over capacity"
+        indexed = sorted(v for ids in self._by_chunk.values() for v in ids)
+        assert indexed == sorted(self._variants), f"{self.name}: chunk index disagrees"
+        for chunk_key, ids in self._by_chunk.items():
+            assert ids and all(self._variants[v].chunk_key == chunk_key for v in ids)

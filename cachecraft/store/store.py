@@ -1,0 +1,418 @@
+"""TieredStore: the ChunkStore over memory -> host -> disk -> Redis tiers.
+
+Owns the lookup cascade (promotion on hit), admission (doorkeeper, per-chunk cap, policy),
+eviction with demotion, write-through to disk and Redis, and prefetch. Tensors are moved, never
+computed here; ranking arithmetic lives in `policy`, file and wire formats in `disk`/`codec`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from cachecraft.store.config import StoreConfig
+from cachecraft.store.disk import DiskTier
+from cachecraft.store.layers import LayerReader, ReadAheadLayerReader, TensorLayerReader
+from cachecraft.store.meta import VariantMeta
+from cachecraft.store.policy import Doorkeeper, VariantStats, make_policy
+from cachecraft.store.ram_tier import RamTier
+from cachecraft.store.redis_tier import RedisTier
+from cachecraft.store.stats import StoreStats
+from cachecraft.store.variant import Variant
+
+logger = logging.getLogger(__name__)
+
+
+class TieredStore:
+    """ChunkStore across tiers. Every admitted variant is written to memory (if the policy lets
+    it displace residents), to disk and to Redis (write-through); a variant evicted from memory
+    is demoted to the host tier or, if absent there, to disk. Thread-safe."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.policy = make_policy(config.policy, config.decay_half_life, config.prior_cfo)
+        self.doorkeeper = Doorkeeper(config.doorkeeper_threshold, config.doorkeeper_size)
+        device = torch.device(config.device)
+        self.ram: list[RamTier] = [RamTier("memory", config.memory_bytes, device)]
+        if device.type != "cpu" and config.host_bytes > 0:
+            self.ram.append(RamTier("host", config.host_bytes, "cpu"))
+        self.disk = (
+            DiskTier(config.cache_dir, config.disk_bytes, config.int8)
+            if config.cache_dir and config.disk_bytes > 0
+            else None
+        )
+        self.redis = (
+            RedisTier(config.redis_url, config.redis_bytes, config.redis_prefix, config.int8)
+            if config.redis_url and config.redis_bytes > 0
+            else None
+        )
+        self._stats_by_id: dict[str, VariantStats] = {}
+        self._tick = 0.0
+        self._lock = threading.RLock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-prefetch")
+        self._inflight: dict[str, Future[float]] = {}
+        self._prefetched: dict[str, float] = {}  # id -> background load seconds, not yet used
+        self._stats = StoreStats()
+
+    # -- ChunkStore -------------------------------------------------------------------------
+    def variants(self, chunk_key: str) -> list[VariantMeta]:
+        found: dict[str, VariantMeta] = {}
+        with self._lock:
+            for tier in self.ram:
+                for meta in tier.metas(chunk_key):
+                    found.setdefault(meta.variant_id, meta)
+        for slow in (self.disk, self.redis):
+            if slow is not None:
+                for meta in slow.metas(chunk_key):
+                    found.setdefault(meta.variant_id, meta)
+        return list(found.values())
+
+    def load(self, variant_id: str) -> Variant | None:
+        waited, bg = self._wait_prefetch(variant_id)
+        with self._lock:
+            for tier in self.ram:
+                variant = tier.get(variant_id)
+                if variant is not None:
+                    self._stats.hits[tier.name] += 1
+                    if bg is not None:
+                        self._stats.prefetch_hidden_s += max(0.0, bg - waited)
+                    if tier is not self.ram[0]:
+                        self._place(variant)
+                    return self.ram[0].get(variant_id) or variant
+        variant, tier_name = self._fetch_slow(variant_id)
+        with self._lock:
+            if variant is None:
+                self._stats.load_misses += 1
+                if not self._is_local(variant_id):
+                    self._stats_by_id.pop(variant_id, None)
+                return None
+            self._stats.hits[tier_name] += 1
+            self._place(variant)
+            return self.ram[0].get(variant_id) or variant
+
+    def offer(self, variant: Variant) -> bool:
+        chunk, vid = variant.chunk_key, variant.variant_id
+        with self._lock:
+            self.doorkeeper.sight_offer(chunk)
+            if not self.doorkeeper.admits(chunk):
+                self._stats.rejected["doorkeeper"] += 1
+                return False
+            st = VariantStats(vid, chunk, variant.meta.num_tokens, variant.nbytes)
+            self.policy.on_admit(st, self.doorkeeper.count(chunk), self._tick)
+            if not self._enforce_chunk_cap(st):
+                self._stats.rejected["chunk_cap"] += 1
+                return False
+            self._stats_by_id[vid] = st
+            stored = self._place(variant)
+        if self.disk is not None:
+            stored = self._disk_put(variant, st) or stored
+        if self.redis is not None:
+            stored = self.redis.put(variant) or stored
+        with self._lock:
+            if stored:
+                self._stats.admitted += 1
+            else:
+                self._stats.rejected[
+                    "value" if variant.nbytes <= self._max_cap() else "too_big"
+                ] += 1
+                self._stats_by_id.pop(vid, None)
+        return stored
+
+    def record_hit(self, variant_id: str, cfo: float) -> None:
+        with self._lock:
+            self._tick += 1
+            st = self._stats_of(variant_id)
+            if st is None:
+                return
+            self.policy.on_hit(st, cfo, self._tick)
+        if self.disk is not None and variant_id in self.disk:
+            self.disk.update_stats(st)
+
+    def record_miss(self, chunk_key: str) -> None:
+        with self._lock:
+            self._tick += 1
+            self._stats.misses += 1
+            self.doorkeeper.sight_miss(chunk_key)
+
+    # -- prefetch and layer-wise reads ----------------------------------------------------
+    def prefetch(self, variant_ids: list[str]) -> None:
+        """Bring variants from slow tiers into memory on a background thread (call when a
+        request is queued); a later load() finds them in memory."""
+        with self._lock:
+            for vid in variant_ids:
+                if vid not in self.ram[0] and vid not in self._inflight:
+                    self._inflight[vid] = self._pool.submit(self._prefetch_one, vid)
+
+    def _prefetch_one(self, variant_id: str) -> float:
+        t0 = time.perf_counter()
+        with self._lock:
+            variant = next((t.get(variant_id) for t in self.ram[1:] if variant_id in t), None)
+        if variant is None:
+            variant, _ = self._fetch_slow(variant_id)
+        took = time.perf_counter() - t0
+        with self._lock:
+            self._stats.prefetch_loads += 1
+            self._stats.prefetch_load_s += took
+            if variant is not None and self._place(variant):
+                self._prefetched[variant_id] = took
+        return took
+
+    def _wait_prefetch(self, variant_id: str) -> tuple[float, float | None]:
+        """(seconds waited for an in-flight prefetch, its background load seconds or None)."""
+        with self._lock:
+            fut = self._inflight.get(variant_id)
+        waited = 0.0
+        if fut is not None:
+            t0 = time.perf_counter()
+            fut.result()
+            waited = time.perf_counter() - t0
+        with self._lock:
+            self._inflight.pop(variant_id, None)
+            return waited, self._prefetched.pop(variant_id, None)
+
+    def wait_prefetch(self) -> None:
+        """Block until every queued prefetch finished (tests, shutdown)."""
+        with self._lock:
+            futs = list(self._inflight.values())
+        for fut in futs:
+            fut.result()
+
+    def open_layers(self, variant_id: str) -> LayerReader | None:
+        """Layer-wise reader: from memory as slices, from disk lazily with read-ahead of layer
+        l+1 while the caller computes layer l. None if the variant is nowhere."""
+        self._wait_prefetch(variant_id)
+        with self._lock:
+            for tier in self.ram:
+                variant = tier.get(variant_id)
+                if variant is not None:
+                    self._stats.hits[tier.name] += 1
+                    return TensorLayerReader(variant.keys, variant.values)
+        if self.disk is not None:
+            reader = self.disk.open_layers(variant_id, self.config.device)
+            if reader is not None:
+                with self._lock:
+                    self._stats.hits["disk"] += 1
+                if not self.config.layer_read_ahead:
+                    return reader
+                return ReadAheadLayerReader(reader, on_close=self._count_layer_reads)
+        variant = self.redis.get(variant_id, self.config.device) if self.redis else None
+        with self._lock:
+            if variant is None:
+                self._stats.load_misses += 1
+                return None
+            self._stats.hits["redis"] += 1
+        return TensorLayerReader(variant.keys, variant.values)
+
+    def _count_layer_reads(self, read_s: float, wait_s: float) -> None:
+        with self._lock:
+            self._stats.layer_read_s += read_s
+            self._stats.layer_hidden_s += max(0.0, read_s - wait_s)
+
+    # -- placement and eviction -----------------------------------------------------------
+    def _place(self, variant: Variant, level: int = 0) -> bool:
+        """Put `variant` into RAM tier `level`, evicting (and demoting) what the policy picks.
+        Caller holds the lock. False if it does not fit or the policy refuses."""
+        tier = self.ram[level]
+        vid = variant.variant_id
+        if vid in tier:
+            return True
+        st = self._stats_of(vid) or VariantStats(
+            vid, variant.chunk_key, variant.meta.num_tokens, variant.nbytes
+        )
+        self._stats_by_id.setdefault(vid, st)
+        if variant.nbytes > tier.capacity_bytes:
+            return False
+        need = variant.nbytes - tier.free_bytes()
+        if need > 0:
+            residents = [self._stats_of(v) for v in tier.ids()]
+            victims = self.policy.victims([s for s in residents if s], need, self._tick, st)
+            if victims is None:
+                return False
+            for victim in victims:
+                self._evict(tier, level, victim.variant_id)
+        tier.put(variant)
+        for lower in self.ram[level + 1 :]:  # promoted out of a lower RAM tier: one copy in RAM
+            lower.delete(vid)
+        return True
+
+    def _evict(self, tier: RamTier, level: int, variant_id: str) -> None:
+        variant = tier.get(variant_id)
+        tier.delete(variant_id)
+        self._stats.evictions[f"{tier.name}:capacity"] += 1
+        if variant is None:
+            return
+        if level + 1 < len(self.ram):
+            self._place(variant, level + 1)
+        elif self.disk is not None and variant_id not in self.disk:
+            st = self._stats_of(variant_id)
+            if st is not None:
+                self._disk_put(variant, st)
+        if not self._is_local(variant_id) and self.redis is None:
+            self._stats_by_id.pop(variant_id, None)
+
+    def _disk_put(self, variant: Variant, st: VariantStats) -> bool:
+        assert self.disk is not None
+
+        def choose(residents: list[VariantStats], need: int) -> list[VariantStats] | None:
+            with self._lock:
+                fresh = [self._stats_by_id.get(s.variant_id, s) for s in residents]
+                return self.policy.victims(fresh, need, self._tick)
+
+        evicted = self.disk.put(variant, st, choose)
+        if evicted is None:
+            return False
+        with self._lock:
+            self._stats.evictions["disk:capacity"] += len(evicted)
+        return True
+
+    def _enforce_chunk_cap(self, st: VariantStats) -> bool:
+        """Keep at most max_variants_per_chunk variants per chunk, the most valuable ones.
+        False if the candidate itself is the least valuable. Caller holds the lock."""
+        ids = {v for t in self.ram for v in t.chunk_ids(st.chunk_key)}
+        if self.disk is not None:
+            ids |= {m.variant_id for m in self.disk.metas(st.chunk_key)}
+        ids.discard(st.variant_id)
+        cap = self.config.max_variants_per_chunk
+        if len(ids) < cap:
+            return True
+        pool = [s for s in (self._stats_of(v) for v in ids) if s is not None] + [st]
+        ranked = self.policy.order(pool, self._tick)
+        for loser in ranked[: len(pool) - cap]:
+            if loser is st:
+                return False
+            self._remove_variant(loser.variant_id, "chunk_cap")
+        return True
+
+    def _remove_variant(self, variant_id: str, reason: str) -> None:
+        for tier in self.ram:
+            if tier.delete(variant_id):
+                self._stats.evictions[f"{tier.name}:{reason}"] += 1
+        if self.disk is not None and self.disk.delete(variant_id):
+            self._stats.evictions[f"disk:{reason}"] += 1
+        if self.redis is not None and self.redis.delete(variant_id):
+            self._stats.evictions[f"redis:{reason}"] += 1
+        self._stats_by_id.pop(variant_id, None)
+
+    def _fetch_slow(self, variant_id: str) -> tuple[Variant | None, str]:
+        """Disk, then Redis (a Redis hit is copied to local disk). No store lock held."""
+        device = self.config.device
+        if self.disk is not None:
+            variant = self.disk.get(variant_id, device)
+            if variant is not None:
+                return variant, "disk"
+        if self.redis is not None:
+            variant = self.redis.get(variant_id, device)
+            if variant is not None:
+                if self.disk is not None:
+                    with self._lock:
+                        st = self._stats_of(variant_id) or VariantStats(
+                            variant_id, variant.chunk_key, variant.meta.num_tokens, variant.nbytes
+                        )
+                    self._disk_put(variant, st)
+                return variant, "redis"
+        return None, ""
+
+    def _stats_of(self, variant_id: str) -> VariantStats | None:
+        st = self._stats_by_id.get(variant_id)
+        if st is None and self.disk is not None:
+            st = self.disk.stats_of(variant_id)
+            if st is not None:
+                self._stats_by_id[variant_id] = st
+        return st
+
+    def _is_local(self, variant_id: str) -> bool:
+        return any(variant_id in t for t in self.ram) or (
+            self.disk is not None and variant_id in self.disk
+        )
+
+    def _max_cap(self) -> int:
+        caps = [t.capacity_bytes for t in self.ram]
+        caps += [self.disk.capacity_bytes] if self.disk else []
+        caps += [self.redis.capacity_bytes] if self.redis else []
+        return max(caps)
+
+    # -- housekeeping ---------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters, with current bytes and counts per tier."""
+        with self._lock:
+            snap = StoreStats.__new__(StoreStats)
+            for f in StoreStats.__slots__:
+                value = getattr(self._stats, f)
+                setattr(snap, f, value.copy() if hasattr(value, "copy") else value)
+            tiers: list = [*self.ram, self.disk, self.redis]
+            for tier in tiers:
+                if tier is not None:
+                    snap.nbytes[tier.name] = tier.nbytes
+                    snap.num_variants[tier.name] = len(tier)
+            if self.redis is not None:
+                snap.redis_errors = self.redis.num_errors
+            if self.disk is not None:
+                snap.evictions["disk:corrupt"] = self.disk.num_corrupt
+            return snap
+
+    def __len__(self) -> int:
+        ids = {v for t in self.ram for v in t.ids()}
+        if self.disk is not None:
+            ids |= {s.variant_id for s in self.disk.all_stats()}
+        return len(ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ram[0].nbytes
+
+    def remove(self, chunk_key: str) -> int:
+        """Drop every variant of `chunk_key` from every tier; returns how many ids were dropped."""
+        with self._lock:
+            ids = {v for t in self.ram for v in t.chunk_ids(chunk_key)}
+            if self.disk is not None:
+                ids |= {m.variant_id for m in self.disk.metas(chunk_key)}
+            if self.redis is not None:
+                ids |= {m.variant_id for m in self.redis.metas(chunk_key)}
+            for vid in ids:
+                self._remove_variant(vid, "removed")
+            return len(ids)
+
+    def clear(self) -> None:
+        with self._lock:
+            for tier in self.ram:
+                tier.clear()
+            if self.disk is not None:
+                self.disk.clear()
+            if self.redis is not None:
+                self.redis.clear()
+            self._stats_by_id.clear()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every tier is internally consistent and within capacity,
+        each RAM variant has stats, no variant sits in two RAM tiers and the per-chunk cap holds."""
+        with self._lock:
+            seen: set[str] = set()
+            for tier in self.ram:
+                tier.check_integrity()
+                ids = set(tier.ids())
+                assert not ids & seen, f"a variant is in {tier.name} and a tier above"
+                seen |= ids
+                for vid in ids:
+                    assert vid in self._stats_by_id, f"{vid} in {tier.name} without stats"
+            by_chunk: dict[str, set[str]] = {}
+            for tier in self.ram:
+                for vid in tier.ids():
+                    by_chunk.setdefault(tier.get(vid).chunk_key, set()).add(vid)  # type: ignore[union-attr]
+            if self.disk is not None:
+                self.disk.check_integrity()
+                for s in self.disk.all_stats():
+                    by_chunk.setdefault(s.chunk_key, set()).add(s.variant_id)
+            cap = self.config.max_variants_per_chunk
+            for chunk, ids in by_chunk.items():
+                assert len(ids) <= cap, f"chunk {chunk} has {len(ids)} variants > {cap}"
+        if self.redis is not None:
+            self.redis.check_integrity()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.close()
