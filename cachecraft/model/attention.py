@@ -1,0 +1,91 @@
+"""Attention of computed rows over a sequence's K/V with an exact mask over absolute positions.
+
+A query at position p sees every key at position <= p (and > p - window with a sliding
+window). Two paths: SDPA (fast), and an explicit block-wise path that also returns how much
+attention mass each row puts on each span; both give the same output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _mask(q_pos: torch.Tensor, ctx: int, window: int | None) -> torch.Tensor:
+    """[n, ctx] bool, True where query row may attend to key position."""
+    k_pos = torch.arange(ctx, device=q_pos.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """q [H, n, D] at sorted positions q_pos [n]; k, v [Hkv, ctx, D] with ctx = q_pos[-1] + 1.
+
+    Returns [H, n, D].
+    """
+    n, ctx = q.shape[1], k.shape[1]
+    needs_window = window is not None and ctx > window
+    if not needs_window and n == ctx:
+        # q_pos == 0..ctx-1: plain causal (top-left aligned == exact here since n == ctx).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if not needs_window and n == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    mask = _mask(q_pos, ctx, window if needs_window else None)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _span_sums(probs: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """probs [m, ctx], bounds [S, 2] (start, end) clipped to ctx -> mass per span [m, S]."""
+    csum = F.pad(probs.cumsum(-1), (1, 0))
+    return csum[:, bounds[:, 1]] - csum[:, bounds[:, 0]]
+
+
+def attention_with_span_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    bounds: torch.Tensor,
+    window: int | None,
+    block: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit attention, block of rows at a time, so one layer's scores never all exist.
+
+    q [H, n, D]; k, v [Hkv, ctx, D]; bounds [S, 2] absolute (start, end) of each span.
+    Returns out [H, n, D] and mass [n, S]: per row, the head-averaged attention probability
+    summed over each span's key positions.
+    """
+    num_heads, n, head_dim = q.shape
+    ctx = k.shape[1]
+    group = num_heads // k.shape[0]
+    kk = k.repeat_interleave(group, dim=0) if group > 1 else k
+    vv = v.repeat_interleave(group, dim=0) if group > 1 else v
+    clipped = bounds.clamp(max=ctx)
+    out = torch.empty_like(q)
+    mass = torch.empty((n, bounds.shape[0]), dtype=torch.float32, device=q.device)
+    scale = head_dim**-0.5
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        scores = torch.matmul(q[:, a:b], kk.transpose(1, 2)) * scale  # [H, nb, ctx]
+        scores = scores.masked_fill(~_mask(q_pos[a:b], ctx, window), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1)
+        out[:, a:b] = torch.matmul(probs.to(vv.dtype), vv)
+        mass[a:b] = _span_sums(probs.mean(0), clipped)
+    return out, mass
+
+
+def span_mass(
+    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, bounds: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """Mean over rows and heads of the attention mass rows put on each span: q [H, m, D] -> [S]."""
+    num_heads, _, head_dim = q.shape
+    group = num_heads // k.shape[0]
+    kk = k.repeat_interleave(group, dim=0) if group > 1 else k
+    scores = torch.matmul(q, kk.transpose(1, 2)) * head_dim**-0.5
+    scores = scores.masked_fill(~_mask(q_pos, k.shape[1], window), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).mean(0)  # [m, ctx]
+    return _span_sums(probs, bounds.clamp(max=k.shape[1])).mean(0)

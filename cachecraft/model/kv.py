@@ -1,0 +1,46 @@
+"""KVCache: one sequence's K/V for every layer, keys rotated at their absolute positions."""
+
+from __future__ import annotations
+
+import torch
+
+from cachecraft.model.arch import ModelArch
+
+
+class KVCache:
+    """k, v: [num_layers, num_kv_heads, capacity, head_dim]; positions [0, length) are valid.
+
+    Writers fill any positions (a spliced cache is filled out of order); `length` is the
+    number of leading positions a forward may read.
+    """
+
+    def __init__(
+        self, arch: ModelArch, capacity: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        shape = (arch.num_layers, arch.num_kv_heads, capacity, arch.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def ensure_capacity(self, capacity: int) -> None:
+        """Grow the buffers (keeping contents) so that `capacity` positions fit."""
+        if capacity <= self.capacity:
+            return
+        new_cap = max(capacity, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:2], new_cap, old.shape[3]))
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Place k, v [num_layers, num_kv_heads, n, head_dim] (already rotated) at start..start+n."""
+        n = k.shape[2]
+        self.ensure_capacity(start + n)
+        self.k[:, :, start : start + n] = k.to(self.k.dtype)
+        self.v[:, :, start : start + n] = v.to(self.v.dtype)
+        self.length = max(self.length, start + n)

@@ -1,0 +1,234 @@
+"""Our Llama-family forward (Llama 2/3, SmolLM, Mistral, Qwen2) with explicit positions.
+
+One primitive, `forward_step`, runs any mix of sequences: each gives the rows (positions) it
+computes over its own KVCache. A full prefill computes 0..n-1 on an empty cache; a partial
+prefill computes a subset over a spliced cache; a decode step computes one row. Linear layers
+run on all rows of all sequences at once; attention runs per sequence with an exact mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from cachecraft.errors import ContextLengthError
+from cachecraft.model.arch import ModelArch
+from cachecraft.model.attention import attention_with_span_mass, causal_attention
+from cachecraft.model.rope import Rope
+from cachecraft.model.step import LayerView, SeqResult, SeqWork
+
+
+class LayerWeights(NamedTuple):
+    ln1: torch.Tensor
+    wqkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor  # [hidden, H D]
+    ln2: torch.Tensor
+    w_gate_up: torch.Tensor  # [2 I, hidden]
+    w_down: torch.Tensor  # [hidden, I]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class _Rows:
+    """Book-keeping of one sequence's active rows during a step."""
+
+    def __init__(self, work: SeqWork, num_layers: int, num_spans: int) -> None:
+        n = work.positions.shape[0]
+        self.work = work
+        self.positions = work.positions
+        self.index = torch.arange(n, device=work.positions.device)  # original row numbers
+        top = num_layers - 1
+        self.last_layer = (
+            torch.full((n,), top, dtype=torch.long, device=work.positions.device)
+            if work.last_layer is None
+            else work.last_layer.to(torch.long).clamp(max=top).clone()
+        )
+        self.final_last_layer = self.last_layer.clone()
+        self.mass_layers: torch.Tensor | None = None
+        self.mass_rows: torch.Tensor | None = None
+        self.row_layers: torch.Tensor | None = None
+        if work.span_bounds is not None:
+            self.mass_layers = torch.zeros((num_layers, num_spans, num_spans))
+            self.mass_rows = torch.zeros((n, num_spans))
+            self.row_layers = torch.zeros(n)
+            starts = work.span_bounds[:, 0].contiguous()
+            self.row_span = torch.bucketize(work.positions, starts, right=True) - 1
+
+
+class LlamaModel:
+    """Weights and forward of one Llama-family model on one device and dtype."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        hf_config: Any,
+        state_dict: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.rope = Rope(hf_config, arch.head_dim, self.device)
+
+        def get(name: str) -> torch.Tensor:
+            return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        if arch.tie_word_embeddings or "lm_head.weight" not in state_dict:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = get("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            att = p + "self_attn."
+            bias = None
+            if arch.attention_bias:
+                bias = torch.cat([get(att + f"{x}_proj.bias") for x in "qkv"])
+            self.layers.append(
+                LayerWeights(
+                    ln1=get(p + "input_layernorm.weight"),
+                    wqkv=torch.cat([get(att + f"{x}_proj.weight") for x in "qkv"]),
+                    bqkv=bias,
+                    wo=get(att + "o_proj.weight"),
+                    ln2=get(p + "post_attention_layernorm.weight"),
+                    w_gate_up=torch.cat(
+                        [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+                    ),
+                    w_down=get(p + "mlp.down_proj.weight"),
+                )
+            )
+
+    @torch.inference_mode()
+    def forward_step(self, works: list[SeqWork]) -> list[SeqResult]:
+        """Run every layer for the rows of each SeqWork, writing their fresh K/V into its cache."""
+        arch = self.arch
+        num_spans = [0 if w.span_bounds is None else w.span_bounds.shape[0] for w in works]
+        states = [_Rows(w, arch.num_layers, s) for w, s in zip(works, num_spans, strict=True)]
+        for w in works:
+            top = int(w.positions[-1]) + 1
+            if top > arch.max_position_embeddings:
+                raise ContextLengthError(top, arch.max_position_embeddings)
+            w.kv.ensure_capacity(top)
+            w.kv.length = max(w.kv.length, top)
+        ids = torch.cat([w.token_ids for w in works]).to(self.device)
+        h = F.embedding(ids, self.embed)
+        for layer_idx, weights in enumerate(self.layers):
+            h = self._compact(h, states, layer_idx)
+            h = self._layer(h, states, layer_idx, weights)
+        return self._finish(h, states)
+
+    def _compact(self, h: torch.Tensor, states: list[_Rows], layer_idx: int) -> torch.Tensor:
+        """Drop rows whose last layer is below `layer_idx` (they keep their given K/V above)."""
+        keeps = [s.last_layer >= layer_idx for s in states]
+        if all(bool(k.all()) for k in keeps):
+            return h
+        for s, k in zip(states, keeps, strict=True):
+            s.positions, s.index, s.last_layer = s.positions[k], s.index[k], s.last_layer[k]
+        return h[torch.cat(keeps)]
+
+    def _layer(
+        self, h: torch.Tensor, states: list[_Rows], layer_idx: int, w: LayerWeights
+    ) -> torch.Tensor:
+        arch = self.arch
+        nh, nkv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        x = _rms_norm(h, w.ln1, arch.rms_norm_eps)
+        qkv = F.linear(x, w.wqkv, w.bqkv)
+        attn = torch.empty((h.shape[0], nh * hd), dtype=h.dtype, device=h.device)
+        start = 0
+        for s in states:
+            n = s.positions.shape[0]
+            if n == 0:
+                continue
+            rows = qkv[start : start + n]
+            q = rows[:, : nh * hd].view(n, nh, hd).transpose(0, 1)
+            k = rows[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd).transpose(0, 1)
+            v = rows[:, (nh + nkv) * hd :].view(n, nkv, hd).transpose(0, 1)
+            out = self._attend(s, layer_idx, q, k, v)
+            attn[start : start + n] = out.transpose(0, 1).reshape(n, nh * hd)
+            start += n
+        h = h + F.linear(attn, w.wo)
+        x = _rms_norm(h, w.ln2, arch.rms_norm_eps)
+        gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, w.w_down)
+
+    def _attend(
+        self, s: _Rows, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Rotate, write fresh K/V at the rows' positions, attend; q [H,n,D] -> [H,n,D]."""
+        work, pos = s.work, s.positions
+        q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
+        kv_k, kv_v = work.kv.k[layer_idx], work.kv.v[layer_idx]
+        hook = work.hooks.get(layer_idx)
+        k_old = v_old = None
+        if hook is not None and work.hooks_need_old:
+            k_old, v_old = kv_k[:, pos].clone(), kv_v[:, pos].clone()
+        n, first, last = pos.shape[0], int(pos[0]), int(pos[-1])
+        if last - first + 1 == n:
+            kv_k[:, first : last + 1] = k.to(kv_k.dtype)
+            kv_v[:, first : last + 1] = v.to(kv_v.dtype)
+        else:
+            kv_k[:, pos] = k.to(kv_k.dtype)
+            kv_v[:, pos] = v.to(kv_v.dtype)
+        keys = kv_k[:, : last + 1].to(q.dtype)
+        values = kv_v[:, : last + 1].to(q.dtype)
+        window = self.arch.sliding_window
+        if work.span_bounds is None:
+            out = causal_attention(q, keys, values, pos, window)
+        else:
+            out, mass = attention_with_span_mass(q, keys, values, pos, work.span_bounds, window)
+            self._collect(s, layer_idx, mass)
+        if hook is not None:
+            view = LayerView(layer_idx, pos, q, k, v, k_old, v_old, keys, window)
+            keep = hook(view)
+            if keep is not None:
+                stop = ~keep.to(torch.bool)
+                s.last_layer[stop] = layer_idx
+                s.final_last_layer[s.index[stop]] = layer_idx
+        return out
+
+    @staticmethod
+    def _collect(s: _Rows, layer_idx: int, mass: torch.Tensor) -> None:
+        assert s.mass_layers is not None and s.mass_rows is not None and s.row_layers is not None
+        span_of_row = s.row_span[s.index]
+        s.mass_layers[layer_idx].index_add_(0, span_of_row, mass)
+        s.mass_rows.index_add_(0, s.index, mass)
+        s.row_layers[s.index] += 1
+
+    def _finish(self, h: torch.Tensor, states: list[_Rows]) -> list[SeqResult]:
+        results = []
+        start = 0
+        top = self.arch.num_layers - 1
+        for s in states:
+            n = s.positions.shape[0]
+            rows = h[start : start + n]
+            start += n
+            mode = s.work.logits_for
+            if mode == "none":
+                picked = rows[:0]
+            else:
+                total = s.work.positions.shape[0]
+                want = [total - 1] if mode == "last" else list(range(total))
+                where = {int(i): j for j, i in enumerate(s.index.tolist())}
+                missing = [i for i in want if i not in where]
+                if missing:
+                    raise ValueError(
+                        f"logits asked for rows {missing} that stopped before layer {top}"
+                    )
+                picked = rows[[where[i] for i in want]]
+            x = _rms_norm(picked, self.norm, self.arch.rms_norm_eps)
+            logits = F.linear(x, self.lm_head).float()
+            row_mass = None
+            if s.mass_rows is not None and s.row_layers is not None:
+                row_mass = s.mass_rows / s.row_layers.clamp(min=1)[:, None]
+            results.append(SeqResult(logits, s.final_last_layer, s.mass_layers, row_mass))
+        return results

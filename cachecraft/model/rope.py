@@ -1,0 +1,52 @@
+"""Rotary position embedding at explicit positions, and moving keys between positions.
+
+Uses transformers' own rope-parameter functions, so every scaling a model ships (default,
+linear, llama3, yarn, longrope, dynamic at its base length) gives the model's own frequencies.
+Keys are stored before RoPE; `rotate` applies it at any positions and `unrotate` removes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rope:
+    """cos/sin tables for positions, computed in fp32 from the model's inv_freq."""
+
+    def __init__(self, hf_config: Any, head_dim: int, device: torch.device | str = "cpu") -> None:
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, device=None)
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.scaling = float(scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions [n] -> cos, sin [n, head_dim] (attention scaling folded in)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., n, head_dim] before RoPE -> rotated at `positions` [n]."""
+        cos, sin = self.cos_sin(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Inverse of `rotate`: x [..., n, head_dim] rotated at `positions` -> before RoPE."""
+        cos, sin = self.cos_sin(positions, torch.float32)
+        xf = x.to(torch.float32)
+        out = (xf * cos - _rotate_half(xf) * sin) / (self.scaling * self.scaling)
+        return out.to(x.dtype)

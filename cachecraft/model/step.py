@@ -1,0 +1,78 @@
+"""The data a forward step takes and returns: SeqWork in, SeqResult out, LayerView for hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cachecraft.model.attention import span_mass
+from cachecraft.model.kv import KVCache
+
+
+@dataclass(slots=True)
+class LayerView:
+    """What a hook sees for one sequence after layer `layer` wrote its fresh K/V.
+
+    positions [n] are the rows still computed at this layer; q [H, n, D], k_new / v_new
+    [Hkv, n, D] (keys rotated); k_old / v_old the K/V that sat at those positions before the
+    write (None unless the hook asked for them).
+    """
+
+    layer: int
+    positions: torch.Tensor
+    q: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    k_old: torch.Tensor | None
+    v_old: torch.Tensor | None
+    keys: torch.Tensor
+    window: int | None
+
+    def attention_mass(self, rows: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+        """Head- and row-averaged attention mass of the selected rows (bool [n]) per span [S]."""
+        return span_mass(self.q[:, rows], self.keys, self.positions[rows], bounds, self.window)
+
+
+Hook = Callable[[LayerView], "torch.Tensor | None"]
+"""Called after a layer; returns a bool keep mask over the view's rows (False: stop computing
+that row after this layer; its K/V at higher layers stay as given) or None to keep all."""
+
+
+@dataclass(slots=True)
+class SeqWork:
+    """One sequence's share of a forward step.
+
+    token_ids, positions [n]: the rows to compute, positions sorted ascending and absolute.
+    Every position below positions[-1] that is not computed must already hold K/V in `kv`
+    for every layer the row is not computed at.
+    last_layer [n]: stop computing a row after this layer (None: all layers).
+    span_bounds [S, 2]: if given, collect attention mass per span (see SeqResult).
+    hooks: layer -> Hook; hooks_need_old: also pass the K/V the write replaced.
+    logits_for: "last" (the last row), "all" rows, or "none".
+    """
+
+    kv: KVCache
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    last_layer: torch.Tensor | None = None
+    span_bounds: torch.Tensor | None = None
+    hooks: dict[int, Hook] = field(default_factory=dict)
+    hooks_need_old: bool = False
+    logits_for: str = "last"
+
+
+@dataclass(slots=True)
+class SeqResult:
+    """logits [m, vocab] (fp32) for the rows asked for.
+
+    rows_last_layer [n]: the layer each row was last computed at (after hooks).
+    span_mass_layers [L, S, S]: row-summed mass from each span's computed rows to each span.
+    row_span_mass [n, S]: per row, mass per span averaged over the layers it was computed at.
+    """
+
+    logits: torch.Tensor
+    rows_last_layer: torch.Tensor
+    span_mass_layers: torch.Tensor | None = None
+    row_span_mass: torch.Tensor | None = None

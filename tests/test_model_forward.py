@@ -1,0 +1,157 @@
+"""Our forward against HF transformers, and partial prefill against full prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachecraft.engine.generate import decode
+from cachecraft.engine.sampling import SamplingParams
+from cachecraft.errors import ContextLengthError
+from cachecraft.model.kv import KVCache
+from cachecraft.model.loader import LoadedModel
+from cachecraft.model.step import SeqWork
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (n,), generator=g)
+
+
+def _full(m: LoadedModel, ids: torch.Tensor, logits_for: str = "all") -> tuple:
+    kv = KVCache(m.arch, len(ids), torch.float32, "cpu")
+    res = m.model.forward_step([SeqWork(kv, ids, torch.arange(len(ids)), logits_for=logits_for)])
+    return res[0], kv
+
+
+def test_logits_match_hf_tiny(tiny: LoadedModel, tiny_hf) -> None:
+    ids = _ids(200)  # past original_max_position_embeddings=64: llama3 scaling matters
+    ours, _ = _full(tiny, ids)
+    with torch.no_grad():
+        ref = tiny_hf(ids[None]).logits[0]
+    assert (ours.logits - ref).abs().max() < 1e-4
+
+
+def _greedy_ours(m: LoadedModel, ids: torch.Tensor, n: int) -> list[int]:
+    res, kv = _full(m, ids, "last")
+    kv.ensure_capacity(len(ids) + n)
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    return list(decode(m.model, kv, res.logits[-1], params))
+
+
+def _greedy_hf(hf, ids: torch.Tensor, n: int) -> list[int]:
+    out = hf.generate(
+        ids[None], max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def test_greedy_matches_hf_generate_tiny(tiny: LoadedModel, tiny_hf) -> None:
+    ids = _ids(40, seed=1)
+    assert _greedy_ours(tiny, ids, 32) == _greedy_hf(tiny_hf, ids, 32)
+
+
+def test_partial_prefill_all_positions_equals_full(tiny: LoadedModel) -> None:
+    ids = _ids(90)
+    full, full_kv = _full(tiny, ids)
+    kv = KVCache(tiny.arch, 90, torch.float32, "cpu")
+    kv.k.normal_()  # garbage everywhere: every position is recomputed anyway
+    kv.v.normal_()
+    kv.length = 90
+    res = tiny.model.forward_step([SeqWork(kv, ids, torch.arange(90), logits_for="all")])[0]
+    assert (res.logits - full.logits).abs().max() < 1e-5
+    assert (kv.k - full_kv.k).abs().max() < 1e-5
+
+
+def test_partial_prefill_suffix_continues_prefix_cache(tiny: LoadedModel) -> None:
+    ids = _ids(120, seed=2)
+    full, full_kv = _full(tiny, ids)
+    kv = KVCache(tiny.arch, 50, torch.float32, "cpu")
+    tiny.model.forward_step([SeqWork(kv, ids[:50], torch.arange(50), logits_for="none")])
+    pos = torch.arange(50, 120)
+    res = tiny.model.forward_step([SeqWork(kv, ids[50:], pos, logits_for="all")])[0]
+    assert (res.logits - full.logits[50:]).abs().max() < 1e-4
+    assert (kv.v[:, :, :120] - full_kv.v).abs().max() < 1e-5
+
+
+def test_partial_prefill_scattered_positions(tiny: LoadedModel) -> None:
+    ids = _ids(100, seed=3)
+    full, full_kv = _full(tiny, ids)
+    pos = torch.tensor([3, 4, 17, 40, 41, 42, 77, 98, 99])
+    kv = KVCache(tiny.arch, 100, torch.float32, "cpu")
+    kv.write(0, full_kv.k, full_kv.v)
+    kv.k[:, :, pos] = torch.randn_like(kv.k[:, :, pos])  # must be overwritten, never read
+    res = tiny.model.forward_step([SeqWork(kv, ids[pos], pos, logits_for="all")])[0]
+    assert (res.logits - full.logits[pos]).abs().max() < 1e-4
+    assert (kv.k - full_kv.k).abs().max() < 1e-5
+
+
+def test_scattered_rows_see_exact_absolute_mask(tiny: LoadedModel) -> None:
+    """A computed row must not see keys after it, even if those are computed in the same pass."""
+    ids = _ids(60, seed=4)
+    full, full_kv = _full(tiny, ids)
+    pos = torch.tensor([10, 30, 59])
+    kv = KVCache(tiny.arch, 60, torch.float32, "cpu")
+    kv.write(0, full_kv.k, full_kv.v)
+    kv.k[:, :, 11:30] += 5.0  # later positions corrupted: row 10 must not be affected
+    res = tiny.model.forward_step([SeqWork(kv, ids[pos], pos, logits_for="all")])[0]
+    assert (res.logits[0] - full.logits[10]).abs().max() < 1e-4
+    assert (res.logits[1] - full.logits[30]).abs().max() > 1e-3
+
+
+def test_per_span_last_layer_keeps_given_kv_above(tiny: LoadedModel) -> None:
+    ids = _ids(80, seed=5)
+    full, full_kv = _full(tiny, ids)
+    pos = torch.arange(20, 80)
+    last = torch.full((60,), 3)
+    last[:20] = 1  # positions 20..39 stop after layer 1
+    kv = KVCache(tiny.arch, 80, torch.float32, "cpu")
+    kv.write(0, full_kv.k, full_kv.v)
+    res = tiny.model.forward_step([SeqWork(kv, ids[20:], pos, last_layer=last)])[0]
+    assert (res.logits[-1] - full.logits[-1]).abs().max() < 1e-4  # given K/V were exact
+    assert res.rows_last_layer[:20].tolist() == [1] * 20
+    # now with wrong given K/V above layer 1: they must be kept, not recomputed
+    kv2 = KVCache(tiny.arch, 80, torch.float32, "cpu")
+    kv2.write(0, full_kv.k, full_kv.v)
+    kv2.v[2:, :, 20:40] = 7.0
+    tiny.model.forward_step([SeqWork(kv2, ids[20:], pos, last_layer=last)])
+    assert bool((kv2.v[2:, :, 20:40] == 7.0).all())
+    assert (kv2.v[:2, :, 20:40] - full_kv.v[:2, :, 20:40]).abs().max() < 1e-5
+
+
+def test_batched_step_equals_separate(tiny: LoadedModel) -> None:
+    a, b = _ids(70, seed=6), _ids(30, seed=7)
+    ra, _ = _full(tiny, a)
+    rb, _ = _full(tiny, b)
+    kva = KVCache(tiny.arch, 70, torch.float32, "cpu")
+    kvb = KVCache(tiny.arch, 30, torch.float32, "cpu")
+    res = tiny.model.forward_step(
+        [
+            SeqWork(kva, a, torch.arange(70), logits_for="all"),
+            SeqWork(kvb, b, torch.arange(30), logits_for="all"),
+        ]
+    )
+    assert (res[0].logits - ra.logits).abs().max() < 1e-4
+    assert (res[1].logits - rb.logits).abs().max() < 1e-4
+
+
+def test_context_length_error_names_both_numbers(tiny: LoadedModel) -> None:
+    kv = KVCache(tiny.arch, 8, torch.float32, "cpu")
+    pos = torch.tensor([5000])
+    with pytest.raises(ContextLengthError, match="5001 tokens.*4096 tokens"):
+        tiny.model.forward_step([SeqWork(kv, torch.tensor([5]), pos)])
+
+
+def test_bundled_logits_and_greedy_match_hf(bundled: LoadedModel) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(bundled.source, dtype=torch.float32).eval()
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    ids = torch.tensor(
+        bundled.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+    )
+    ours, _ = _full(bundled, ids)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert (ours.logits - ref).abs().max() < 1e-3
+    assert _greedy_ours(bundled, ids, 32) == _greedy_hf(hf, ids, 32)
