@@ -25,6 +25,8 @@ class StoreConfig:
     cache_dir: str | None = None
     redis_url: str | None = None
     redis_prefix: str = "cachecraft:"
+    redis_backoff_s: float = 1.0
+    """After a Redis error, wait this long before retrying (doubling, up to 30 s)."""
     policy: str = "value"
     doorkeeper_threshold: int = 2
     """A chunk's variant is admitted once the chunk was seen this many times (<= 1: always)."""

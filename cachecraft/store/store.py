@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -46,7 +47,13 @@ class TieredStore:
             else None
         )
         self.redis = (
-            RedisTier(config.redis_url, config.redis_bytes, config.redis_prefix, config.int8)
+            RedisTier(
+                config.redis_url,
+                config.redis_bytes,
+                config.redis_prefix,
+                config.int8,
+                backoff_s=config.redis_backoff_s,
+            )
             if config.redis_url and config.redis_bytes > 0
             else None
         )
@@ -57,6 +64,8 @@ class TieredStore:
         self._inflight: dict[str, Future[float]] = {}
         self._prefetched: dict[str, float] = {}  # id -> background load seconds, not yet used
         self._stats = StoreStats()
+        self.eviction_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
+        """(tier, variant_id, reason) of recent evictions, oldest first (tests, debugging)."""
 
     # -- ChunkStore -------------------------------------------------------------------------
     def variants(self, chunk_key: str) -> list[VariantMeta]:
@@ -243,6 +252,7 @@ class TieredStore:
         variant = tier.get(variant_id)
         tier.delete(variant_id)
         self._stats.evictions[f"{tier.name}:capacity"] += 1
+        self.eviction_log.append((tier.name, variant_id, "capacity"))
         if variant is None:
             return
         if level + 1 < len(self.ram):
@@ -267,6 +277,7 @@ class TieredStore:
             return False
         with self._lock:
             self._stats.evictions["disk:capacity"] += len(evicted)
+            self.eviction_log.extend(("disk", v, "capacity") for v in evicted)
         return True
 
     def _enforce_chunk_cap(self, st: VariantStats) -> bool:
@@ -288,6 +299,7 @@ class TieredStore:
         return True
 
     def _remove_variant(self, variant_id: str, reason: str) -> None:
+        self.eviction_log.append(("*", variant_id, reason))
         for tier in self.ram:
             if tier.delete(variant_id):
                 self._stats.evictions[f"{tier.name}:{reason}"] += 1
