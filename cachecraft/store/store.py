@@ -7,6 +7,7 @@ computed here; ranking arithmetic lives in `policy`, file and wire formats in `d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -269,7 +270,11 @@ class TieredStore:
 
         def choose(residents: list[VariantStats], need: int) -> list[VariantStats] | None:
             with self._lock:
-                fresh = [self._stats_by_id.get(s.variant_id, s) for s in residents]
+                # hit statistics from this process (fresher), sizes as the disk counts them
+                fresh = [
+                    dataclasses.replace(self._stats_by_id.get(s.variant_id, s), nbytes=s.nbytes)
+                    for s in residents
+                ]
                 return self.policy.victims(fresh, need, self._tick)
 
         evicted = self.disk.put(variant, st, choose)

@@ -1,0 +1,200 @@
+"""Disk tier through the tiered store: restart, crash recovery, corruption, sharing, int8."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from store_helpers import make_variant
+
+from cachecraft.store import codec
+from cachecraft.store.config import StoreConfig
+from cachecraft.store.disk import DiskTier
+from cachecraft.store.store import TieredStore
+
+SIZE = 512
+
+
+def disk_store(root: Path, memory_slots: int = 2, **kw: object) -> TieredStore:
+    cfg = StoreConfig(
+        memory_bytes=memory_slots * SIZE,
+        disk_bytes=1 << 20,
+        cache_dir=str(root),
+        doorkeeper_threshold=1,
+        **kw,
+    )
+    return TieredStore(cfg)
+
+
+def file_of(root: Path, variant_id: str) -> Path:
+    return root / f"{variant_id}.safetensors"
+
+
+def test_write_through_demotion_and_promotion(tmp_path: Path) -> None:
+    store = disk_store(tmp_path, memory_slots=2, policy="lru")
+    vs = [make_variant(k, seed=i) for i, k in enumerate("abc")]
+    for v in vs:
+        store.record_miss(v.chunk_key)
+        assert store.offer(v)
+        store.check_integrity()
+    assert vs[0].variant_id not in store.ram[0] and vs[0].variant_id in store.disk  # type: ignore[operator]
+    got = store.load(vs[0].variant_id)  # from disk, promoted to memory
+    store.check_integrity()
+    assert got is not None and torch.equal(got.keys, vs[0].keys)
+    assert got.meta == vs[0].meta
+    assert vs[0].variant_id in store.ram[0]
+    assert store.stats().hits["disk"] == 1
+    assert store.load(vs[0].variant_id) is not None
+    assert store.stats().hits["memory"] == 1
+
+
+def test_restart_finds_variants_and_stats(tmp_path: Path) -> None:
+    store = disk_store(tmp_path)
+    v = make_variant("a")
+    store.offer(v)
+    store.record_hit(v.variant_id, 0.25)
+    store.close()
+    again = disk_store(tmp_path)
+    again.check_integrity()
+    assert [m.variant_id for m in again.variants("a")] == [v.variant_id]
+    got = again.load(v.variant_id)
+    assert got is not None and torch.equal(got.values, v.values)
+    st = again.disk.stats_of(v.variant_id)  # type: ignore[union-attr]
+    assert st is not None and st.hits == 1 and st.cfo_sum == pytest.approx(0.25)
+
+
+def test_crash_leftovers_are_cleaned_on_reopen(tmp_path: Path) -> None:
+    store = disk_store(tmp_path)
+    keep, lose = make_variant("keep"), make_variant("lose")
+    store.offer(keep)
+    store.offer(lose)
+    store.close()
+    # 1. a half-written temp file of a process that died (pid 2**22 + 1 is beyond pid_max)
+    (tmp_path / f".{'f' * 32}.{2**22 + 1}.abcd1234.tmp").write_bytes(b"half")
+    # 2. an index row whose file is gone
+    file_of(tmp_path, lose.variant_id).unlink()
+    # 3. a file with no index row
+    shutil.copy(file_of(tmp_path, keep.variant_id), tmp_path / ("e" * 32 + ".safetensors"))
+    again = disk_store(tmp_path)
+    assert again.disk.recovery == (1, 1, 1)  # type: ignore[union-attr]
+    again.check_integrity()
+    assert again.variants("lose") == [] and again.load(lose.variant_id) is None
+    assert again.load(keep.variant_id) is not None
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".safetensors") == [
+        keep.variant_id + ".safetensors"
+    ]
+
+
+def test_live_process_temp_file_is_left_alone(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    tmp = tmp_path / f".{'a' * 32}.{os.getppid()}.abcd1234.tmp"
+    tmp.write_bytes(b"being written")
+    tier.close()
+    tier = DiskTier(tmp_path, 1 << 20)
+    assert tmp.exists() and tier.recovery.temp_files == 0
+
+
+def test_corrupted_file_is_a_miss_never_served(tmp_path: Path) -> None:
+    store = disk_store(tmp_path, memory_slots=0)
+    v = make_variant("a")
+    assert store.offer(v)
+    path = file_of(tmp_path, v.variant_id)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # flip a bit of the last tensor
+    path.write_bytes(bytes(data))
+    assert store.load(v.variant_id) is None
+    store.check_integrity()
+    assert not path.exists() and store.variants("a") == []
+    stats = store.stats()
+    assert stats.evictions["disk:corrupt"] == 1 and stats.load_misses == 1
+
+
+def test_corrupted_layer_raises_in_layer_reader(tmp_path: Path) -> None:
+    store = disk_store(tmp_path, memory_slots=0)
+    v = make_variant("a")
+    store.offer(v)
+    reader = store.open_layers(v.variant_id)
+    assert reader is not None
+    k0, v0 = reader.layer(0)
+    assert torch.equal(k0, v.keys[0]) and torch.equal(v0, v.values[0])
+    reader.close()
+    path = file_of(tmp_path, v.variant_id)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    reader = store.open_layers(v.variant_id)
+    assert reader is not None
+    with pytest.raises(codec.CorruptVariantError):
+        for layer in range(reader.num_layers):
+            reader.layer(layer)
+    reader.close()
+    assert store.variants("a") == [] and not path.exists()
+    store.check_integrity()
+
+
+def test_layer_reader_reads_every_layer_and_counts_time(tmp_path: Path) -> None:
+    store = disk_store(tmp_path, memory_slots=0)
+    v = make_variant("a", num_layers=4)
+    store.offer(v)
+    reader = store.open_layers(v.variant_id)
+    assert reader is not None and reader.num_layers == 4
+    for layer in range(4):
+        k, val = reader.layer(layer)
+        assert torch.equal(k, v.keys[layer]) and torch.equal(val, v.values[layer])
+    reader.close()
+    assert store.stats().layer_read_s > 0.0
+    assert store.open_layers("nope") is None
+
+
+def test_two_stores_share_one_directory(tmp_path: Path) -> None:
+    one, two = disk_store(tmp_path, memory_slots=0), disk_store(tmp_path, memory_slots=0)
+    a, b = make_variant("a"), make_variant("b")
+    assert one.offer(a)
+    assert [m.variant_id for m in two.variants("a")] == [a.variant_id]
+    assert two.load(a.variant_id) is not None
+    assert two.offer(b)
+    assert one.load(b.variant_id) is not None
+    assert two.remove("a") == 1
+    assert one.load(a.variant_id) is None  # gone from under it: a miss, no error
+    one.check_integrity()
+    two.check_integrity()
+    assert len(one) == len(two) == 1
+
+
+def test_disk_capacity_evicts_by_policy(tmp_path: Path) -> None:
+    vs = [make_variant(k) for k in "abcd"]
+    file_size = len(codec.to_bytes(vs[0]))  # the same for all four
+    cfg = StoreConfig(
+        memory_bytes=0,
+        disk_bytes=3 * file_size + 10,
+        cache_dir=str(tmp_path),
+        doorkeeper_threshold=1,
+    )
+    store = TieredStore(cfg)
+    for v in vs[:3]:
+        store.record_miss(v.chunk_key)
+        assert store.offer(v)
+    store.record_hit(vs[0].variant_id, 0.0)
+    store.record_hit(vs[2].variant_id, 0.0)
+    store.record_miss("d")
+    assert store.offer(vs[3])  # room for three: b (no hits) goes
+    store.check_integrity()
+    assert store.load(vs[1].variant_id) is None
+    assert [e for e in store.eviction_log] == [("disk", vs[1].variant_id, "capacity")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_int8_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
+    store = disk_store(tmp_path, memory_slots=0, int8=True)
+    v = make_variant("a", num_tokens=16, head_dim=8, dtype=dtype)
+    assert store.offer(v)
+    got = store.load(v.variant_id)
+    assert got is not None and got.keys.dtype == dtype
+    for ref, out in ((v.keys, got.keys), (v.values, got.values)):
+        err = (ref.float() - out.float()).abs().max().item()
+        assert err <= ref.float().abs().max().item() / 127 + 1e-3
+        assert err > 0  # really quantized
+    assert file_of(tmp_path, v.variant_id).stat().st_size < len(codec.to_bytes(v))
