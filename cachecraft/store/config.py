@@ -34,8 +34,9 @@ class StoreConfig:
     max_variants_per_chunk: int = 4
     int8: bool = False
     """Store K/V as int8 with per-channel scales on disk and in Redis (memory keeps the dtype)."""
-    decay_half_life: float = 2000.0
-    """Hit frequency halves every this many chunk lookups (record_hit + record_miss calls)."""
+    decay_half_life: float = 10000.0
+    """Hit frequency halves every this many chunk lookups (record_hit + record_miss calls);
+    long enough that a warm chunk's frequency spans several of its reuses (store_bench)."""
     prior_cfo: float = 0.5
     """CFO assumed for a variant with no hits yet when estimating tokens saved per hit."""
     device: str = "cpu"
