@@ -1,0 +1,127 @@
+"""TieredStore: cascade, prefetch, layer reads, stats, factory; the host tier on a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from store_helpers import make_variant
+
+from cachecraft.store.base import ChunkStore
+from cachecraft.store.config import StoreConfig, make_store
+from cachecraft.store.memory import MemoryStore
+from cachecraft.store.store import TieredStore
+
+SIZE = 512
+
+
+def test_make_store_builds_the_configured_tiers(tmp_path: Path) -> None:
+    store = make_store(StoreConfig(cache_dir=str(tmp_path)))
+    assert isinstance(store, TieredStore)
+    assert [t.name for t in store.ram] == ["memory"] and store.disk is not None
+    assert store.redis is None
+    plain = make_store(StoreConfig())
+    assert isinstance(plain, TieredStore) and plain.disk is None
+    as_protocol: list[ChunkStore] = [store, MemoryStore(1024)]
+    assert all(hasattr(s, "record_miss") for s in as_protocol)
+
+
+def test_prefetch_brings_disk_variants_into_memory(tmp_path: Path) -> None:
+    store = TieredStore(
+        StoreConfig(
+            memory_bytes=2 * SIZE, cache_dir=str(tmp_path), doorkeeper_threshold=1, policy="lru"
+        )
+    )
+    vs = [make_variant(k, seed=i) for i, k in enumerate("abc")]
+    for v in vs:
+        store.record_miss(v.chunk_key)
+        store.offer(v)
+    a = vs[0].variant_id
+    assert a not in store.ram[0]
+    store.prefetch([a, "missing"])
+    store.wait_prefetch()
+    store.check_integrity()
+    assert a in store.ram[0]
+    got = store.load(a)
+    assert got is not None and torch.equal(got.keys, vs[0].keys)
+    stats = store.stats()
+    assert stats.prefetch_loads == 2 and stats.hits["memory"] == 1 and "disk" not in stats.hits
+    assert stats.prefetch_hidden_s > 0.0
+
+
+def test_open_layers_from_memory(tmp_path: Path) -> None:
+    store = TieredStore(StoreConfig(doorkeeper_threshold=1))
+    v = make_variant("a", num_layers=3)
+    store.offer(v)
+    reader = store.open_layers(v.variant_id)
+    assert reader is not None and reader.num_layers == 3
+    k, val = reader.layer(2)
+    assert torch.equal(k, v.keys[2]) and torch.equal(val, v.values[2])
+    reader.close()
+    assert store.open_layers("nope") is None
+    assert store.stats().load_misses == 1
+
+
+def test_stats_as_dict_and_tier_sizes(tmp_path: Path) -> None:
+    store = TieredStore(
+        StoreConfig(memory_bytes=SIZE, cache_dir=str(tmp_path), doorkeeper_threshold=2)
+    )
+    store.record_miss("a")
+    assert not store.offer(make_variant("a"))
+    store.record_miss("a")
+    assert store.offer(make_variant("a"))
+    d = store.stats().as_dict()
+    assert d["misses"] == 2 and d["admitted"] == 1 and d["rejected"] == {"doorkeeper": 1}
+    assert d["nbytes"]["memory"] == SIZE and d["num_variants"] == {"memory": 1, "disk": 1}
+    assert d["nbytes"]["disk"] > 0
+    assert len(store) == 1 and store.nbytes == SIZE
+
+
+def test_variant_bigger_than_every_tier_is_refused() -> None:
+    store = TieredStore(StoreConfig(memory_bytes=SIZE, doorkeeper_threshold=1))
+    assert not store.offer(make_variant("big", num_tokens=64))
+    assert store.stats().rejected["too_big"] == 1 and len(store) == 0
+    store.check_integrity()
+
+
+def test_remove_and_clear_every_tier(tmp_path: Path) -> None:
+    store = TieredStore(
+        StoreConfig(memory_bytes=SIZE, cache_dir=str(tmp_path), doorkeeper_threshold=1)
+    )
+    for k in "abc":
+        store.offer(make_variant(k))
+    assert store.remove("a") == 1 and store.variants("a") == []
+    store.check_integrity()
+    store.clear()
+    store.check_integrity()
+    assert len(store) == 0 and store.variants("b") == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host tier exists only on a GPU")
+def test_gpu_memory_host_disk_cascade(tmp_path: Path) -> None:
+    store = TieredStore(
+        StoreConfig(
+            memory_bytes=SIZE,
+            host_bytes=SIZE,
+            cache_dir=str(tmp_path),
+            doorkeeper_threshold=1,
+            policy="lru",
+            device="cuda",
+        )
+    )
+    assert [t.name for t in store.ram] == ["memory", "host"]
+    a, b, c = (make_variant(k, seed=i) for i, k in enumerate("abc"))
+    for v in (a, b, c):
+        store.record_miss(v.chunk_key)
+        store.offer(v)
+        store.check_integrity()
+    assert c.variant_id in store.ram[0] and b.variant_id in store.ram[1]
+    assert store.ram[0].get(c.variant_id).keys.is_cuda  # type: ignore[union-attr]
+    assert not store.ram[1].get(b.variant_id).keys.is_cuda  # type: ignore[union-attr]
+    got = store.load(b.variant_id)  # host -> memory; c demoted to host
+    assert got is not None and got.keys.is_cuda and torch.equal(got.keys.cpu(), b.keys)
+    got = store.load(a.variant_id)  # disk -> memory
+    assert got is not None and got.keys.is_cuda
+    store.check_integrity()
+    assert store.stats().hits == {"host": 1, "disk": 1}
