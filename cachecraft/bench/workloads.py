@@ -28,6 +28,7 @@ __all__ = [
     "build_workload",
     "chunk_popularity",
     "estimate_tokens",
+    "item_to_json",
     "load_workload_file",
     "sharegpt",
     "synthetic",
