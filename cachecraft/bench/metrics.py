@@ -9,7 +9,7 @@ import math
 import re
 import string
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -131,7 +131,7 @@ def summarize(values: Iterable[float | None], n_boot: int = 1000, seed: int = 0)
     return {"mean": float(vals.mean()), "ci95": [lo, hi], "n": int(vals.size)}
 
 
-def percentile(values: Sequence[float | None] | Iterable[float | None], q: float) -> float | None:
+def percentile(values: Iterable[float | None], q: float) -> float | None:
     """The q-th percentile (0-100, linear interpolation) or None when there are no values."""
     vals = _clean(values)
     return float(np.percentile(vals, q)) if vals.size else None
