@@ -125,3 +125,47 @@ def test_gpu_memory_host_disk_cascade(tmp_path: Path) -> None:
     assert got is not None and got.keys.is_cuda
     store.check_integrity()
     assert store.stats().hits == {"host": 1, "disk": 1}
+
+
+def test_prefetch_concurrent_with_offers_and_demotions(tmp_path: Path) -> None:
+    """Prefetch (store lock -> disk lock) racing offers whose disk writes pick victims under the
+    disk lock must neither deadlock nor break the invariants."""
+    import threading
+
+    store = TieredStore(
+        StoreConfig(
+            memory_bytes=3 * SIZE,
+            disk_bytes=12 * 1100,
+            cache_dir=str(tmp_path),
+            doorkeeper_threshold=1,
+        )
+    )
+    vs = [make_variant(f"k{i}", seed=i) for i in range(40)]
+    errors: list[BaseException] = []
+
+    def offers() -> None:
+        try:
+            for v in vs:
+                store.record_miss(v.chunk_key)
+                store.offer(v)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    def prefetches() -> None:
+        try:
+            for _ in range(20):
+                store.prefetch([v.variant_id for v in vs[::3]])
+                for v in vs[::5]:
+                    store.load(v.variant_id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=offers), threading.Thread(target=prefetches)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    store.wait_prefetch()
+    assert errors == []
+    store.check_integrity()

@@ -148,15 +148,18 @@ class DiskTier:
     def chunk_keys(self) -> list[str]:
         return [c for (c,) in self._query("SELECT DISTINCT chunk_key FROM variants ORDER BY 1")]
 
+    _STATS_COLS = "variant_id, chunk_key, num_tokens, file_size, hits, cfo_sum, freq, last_tick"
+
     def all_stats(self) -> list[VariantStats]:
-        rows = self._query(
-            "SELECT variant_id, chunk_key, num_tokens, file_size, hits, cfo_sum, freq, last_tick "
-            "FROM variants"
-        )
-        return [VariantStats(*row) for row in rows]
+        return [
+            VariantStats(*row) for row in self._query(f"SELECT {self._STATS_COLS} FROM variants")
+        ]
 
     def stats_of(self, variant_id: str) -> VariantStats | None:
-        return next((s for s in self.all_stats() if s.variant_id == variant_id), None)
+        rows = self._query(
+            f"SELECT {self._STATS_COLS} FROM variants WHERE variant_id=?", (variant_id,)
+        )
+        return VariantStats(*rows[0]) if rows else None
 
     def rows(self) -> list[dict[str, object]]:
         """Index rows for listing (no tensors read)."""

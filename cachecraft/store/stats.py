@@ -16,6 +16,8 @@ class StoreStats:
     """Loads served, per tier that served them (memory, host, disk, redis)."""
     misses: int = 0
     """Chunk lookups that found no variant (record_miss)."""
+    tier_misses: Counter[str] = field(default_factory=Counter)
+    """Per tier, loads that looked there and did not find the variant."""
     load_misses: int = 0
     """load() of an advertised variant that was gone (evicted meanwhile, corrupt, unreachable)."""
     nbytes: dict[str, int] = field(default_factory=dict)
@@ -36,6 +38,6 @@ class StoreStats:
 
     def as_dict(self) -> dict[str, object]:
         out = dataclasses.asdict(self)
-        for name in ("hits", "evictions", "rejected"):
+        for name in ("hits", "tier_misses", "evictions", "rejected"):
             out[name] = dict(getattr(self, name))
         return out

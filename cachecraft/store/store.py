@@ -86,7 +86,9 @@ class TieredStore:
         with self._lock:
             for tier in self.ram:
                 variant = tier.get(variant_id)
-                if variant is not None:
+                if variant is None:
+                    self._stats.tier_misses[tier.name] += 1
+                else:
                     self._stats.hits[tier.name] += 1
                     if bg is not None:
                         self._stats.prefetch_hidden_s += max(0.0, bg - waited)
@@ -111,8 +113,10 @@ class TieredStore:
             if not self.doorkeeper.admits(chunk):
                 self._stats.rejected["doorkeeper"] += 1
                 return False
-            st = VariantStats(vid, chunk, variant.meta.num_tokens, variant.nbytes)
-            self.policy.on_admit(st, self.doorkeeper.count(chunk), self._tick)
+            st = self._stats_by_id.get(vid)  # a re-offered variant keeps its hit history
+            if st is None:
+                st = VariantStats(vid, chunk, variant.meta.num_tokens, variant.nbytes)
+                self.policy.on_admit(st, self.doorkeeper.count(chunk), self._tick)
             if not self._enforce_chunk_cap(st):
                 self._stats.rejected["chunk_cap"] += 1
                 return False
@@ -269,13 +273,14 @@ class TieredStore:
         assert self.disk is not None
 
         def choose(residents: list[VariantStats], need: int) -> list[VariantStats] | None:
-            with self._lock:
-                # hit statistics from this process (fresher), sizes as the disk counts them
-                fresh = [
-                    dataclasses.replace(self._stats_by_id.get(s.variant_id, s), nbytes=s.nbytes)
-                    for s in residents
-                ]
-                return self.policy.victims(fresh, need, self._tick)
+            # Called under the disk's write lock: taking the store lock here could deadlock with
+            # a demotion (store lock -> disk lock), so read the stats dict without it.
+            # Hit statistics from this process (fresher), sizes as the disk counts them.
+            fresh = [
+                dataclasses.replace(self._stats_by_id.get(s.variant_id, s), nbytes=s.nbytes)
+                for s in residents
+            ]
+            return self.policy.victims(fresh, need, self._tick)
 
         evicted = self.disk.put(variant, st, choose)
         if evicted is None:
@@ -321,9 +326,14 @@ class TieredStore:
             variant = self.disk.get(variant_id, device)
             if variant is not None:
                 return variant, "disk"
+            with self._lock:
+                self._stats.tier_misses["disk"] += 1
         if self.redis is not None:
             variant = self.redis.get(variant_id, device)
-            if variant is not None:
+            if variant is None:
+                with self._lock:
+                    self._stats.tier_misses["redis"] += 1
+            else:
                 if self.disk is not None:
                     with self._lock:
                         st = self._stats_of(variant_id) or VariantStats(
