@@ -20,6 +20,12 @@ def _mask(q_pos: torch.Tensor, ctx: int, window: int | None) -> torch.Tensor:
     return mask
 
 
+def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[Hkv, ctx, D] -> [H, ctx, D] (GQA): CPU SDPA is fastest on plain 4-D multi-head input."""
+    group = num_heads // x.shape[0]
+    return x.repeat_interleave(group, dim=0) if group > 1 else x
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int | None
 ) -> torch.Tensor:
@@ -28,14 +34,15 @@ def causal_attention(
     Returns [H, n, D].
     """
     n, ctx = q.shape[1], k.shape[1]
+    k, v = _expand_kv(k, q.shape[0])[None], _expand_kv(v, q.shape[0])[None]
     needs_window = window is not None and ctx > window
     if not needs_window and n == ctx:
         # q_pos == 0..ctx-1: plain causal (top-left aligned == exact here since n == ctx).
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q[None], k, v, is_causal=True)[0]
     if not needs_window and n == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return F.scaled_dot_product_attention(q[None], k, v)[0]
     mask = _mask(q_pos, ctx, window if needs_window else None)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask)[0]
 
 
 def _span_sums(probs: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
@@ -61,9 +68,7 @@ def attention_with_span_mass(
     """
     num_heads, n, head_dim = q.shape
     ctx = k.shape[1]
-    group = num_heads // k.shape[0]
-    kk = k.repeat_interleave(group, dim=0) if group > 1 else k
-    vv = v.repeat_interleave(group, dim=0) if group > 1 else v
+    kk, vv = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
     clipped = bounds.clamp(max=ctx)
     out = torch.empty_like(q)
     mass = torch.empty((n, bounds.shape[0]), dtype=torch.float32, device=q.device)
@@ -83,8 +88,7 @@ def span_mass(
 ) -> torch.Tensor:
     """Mean over rows and heads of the attention mass rows put on each span: q [H, m, D] -> [S]."""
     num_heads, _, head_dim = q.shape
-    group = num_heads // k.shape[0]
-    kk = k.repeat_interleave(group, dim=0) if group > 1 else k
+    kk = _expand_kv(k, num_heads)
     scores = torch.matmul(q, kk.transpose(1, 2)) * head_dim**-0.5
     scores = scores.masked_fill(~_mask(q_pos, k.shape[1], window), float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).mean(0)  # [m, ctx]

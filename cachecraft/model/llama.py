@@ -39,10 +39,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class _Rows:
     """Book-keeping of one sequence's active rows during a step."""
 
-    def __init__(self, work: SeqWork, num_layers: int, num_spans: int) -> None:
+    def __init__(self, work: SeqWork, num_layers: int, num_spans: int, rope: Rope) -> None:
         n = work.positions.shape[0]
         self.work = work
         self.positions = work.positions
+        self.cos, self.sin = rope.cos_sin(work.positions, work.kv.k.dtype)
         self.index = torch.arange(n, device=work.positions.device)  # original row numbers
         top = num_layers - 1
         self.last_layer = (
@@ -113,7 +114,9 @@ class LlamaModel:
         """Run every layer for the rows of each SeqWork, writing their fresh K/V into its cache."""
         arch = self.arch
         num_spans = [0 if w.span_bounds is None else w.span_bounds.shape[0] for w in works]
-        states = [_Rows(w, arch.num_layers, s) for w, s in zip(works, num_spans, strict=True)]
+        states = [
+            _Rows(w, arch.num_layers, s, self.rope) for w, s in zip(works, num_spans, strict=True)
+        ]
         for w in works:
             top = int(w.positions[-1]) + 1
             if top > arch.max_position_embeddings:
@@ -134,6 +137,7 @@ class LlamaModel:
             return h
         for s, k in zip(states, keeps, strict=True):
             s.positions, s.index, s.last_layer = s.positions[k], s.index[k], s.last_layer[k]
+            s.cos, s.sin = s.cos[k], s.sin[k]
         return h[torch.cat(keeps)]
 
     def _layer(
@@ -166,7 +170,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Rotate, write fresh K/V at the rows' positions, attend; q [H,n,D] -> [H,n,D]."""
         work, pos = s.work, s.positions
-        q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
+        q, k = Rope.apply(q, s.cos, s.sin), Rope.apply(k, s.cos, s.sin)
         kv_k, kv_v = work.kv.k[layer_idx], work.kv.v[layer_idx]
         hook = work.hooks.get(layer_idx)
         k_old = v_old = None

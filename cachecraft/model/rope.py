@@ -41,7 +41,11 @@ class Rope:
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., n, head_dim] before RoPE -> rotated at `positions` [n]."""
-        cos, sin = self.cos_sin(positions, x.dtype)
+        return self.apply(x, *self.cos_sin(positions, x.dtype))
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [..., n, head_dim] with precomputed cos, sin [n, head_dim]."""
         return x * cos + _rotate_half(x) * sin
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
