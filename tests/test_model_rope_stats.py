@@ -119,3 +119,21 @@ def test_hook_sees_question_attention_and_stops_rows(tiny: LoadedModel) -> None:
     assert abs(float(seen["mass"].sum()) - 1.0) < 1e-5
     assert res.rows_last_layer[:30].tolist() == [1] * 30
     assert res.rows_last_layer[30:].tolist() == [3] * 20
+
+
+def test_stats_for_selected_rows_only(tiny: LoadedModel) -> None:
+    ids = torch.randint(3, 1000, (60,))
+    bounds = _spans(60)
+    kv = KVCache(tiny.arch, 60, torch.float32, "cpu")
+    every = tiny.model.forward_step(
+        [SeqWork(kv, ids, torch.arange(60), span_bounds=bounds, logits_for="all")]
+    )[0]
+    sel = (torch.arange(60) >= 10) & (torch.arange(60) < 30)
+    kv2 = KVCache(tiny.arch, 60, torch.float32, "cpu")
+    some = tiny.model.forward_step(
+        [SeqWork(kv2, ids, torch.arange(60), span_bounds=bounds, stats_rows=sel, logits_for="all")]
+    )[0]
+    assert (some.logits - every.logits).abs().max() < 1e-4
+    assert (some.row_span_mass[sel] - every.row_span_mass[sel]).abs().max() < 1e-5
+    assert float(some.row_span_mass[~sel].abs().sum()) == 0.0
+    assert (some.span_mass_layers[:, 1] - every.span_mass_layers[:, 1]).abs().max() < 1e-4

@@ -61,6 +61,11 @@ class _Rows:
             self.row_layers = torch.zeros(n)
             starts = work.span_bounds[:, 0].contiguous()
             self.row_span = torch.bucketize(work.positions, starts, right=True) - 1
+            self.stats_rows = (
+                torch.ones(n, dtype=torch.bool)
+                if work.stats_rows is None
+                else work.stats_rows.to(torch.bool).clone()
+            )
 
 
 class LlamaModel:
@@ -138,6 +143,8 @@ class LlamaModel:
         for s, k in zip(states, keeps, strict=True):
             s.positions, s.index, s.last_layer = s.positions[k], s.index[k], s.last_layer[k]
             s.cos, s.sin = s.cos[k], s.sin[k]
+            if s.mass_rows is not None:
+                s.stats_rows = s.stats_rows[k]
         return h[torch.cat(keeps)]
 
     def _layer(
@@ -188,9 +195,19 @@ class LlamaModel:
         window = self.arch.sliding_window
         if work.span_bounds is None:
             out = causal_attention(q, keys, values, pos, window)
-        else:
+        elif bool(s.stats_rows.all()):
             out, mass = attention_with_span_mass(q, keys, values, pos, work.span_bounds, window)
-            self._collect(s, layer_idx, mass)
+            self._collect(s, s.index, layer_idx, mass)
+        else:
+            out = causal_attention(q, keys, values, pos, window)
+            sel = s.stats_rows
+            if bool(sel.any()):
+                bounds = work.span_bounds
+                out_sel, mass = attention_with_span_mass(
+                    q[:, sel], keys, values, pos[sel], bounds, window
+                )
+                out[:, sel] = out_sel
+                self._collect(s, s.index[sel], layer_idx, mass)
         if hook is not None:
             view = LayerView(layer_idx, pos, q, k, v, k_old, v_old, keys, window)
             keep = hook(view)
@@ -201,12 +218,12 @@ class LlamaModel:
         return out
 
     @staticmethod
-    def _collect(s: _Rows, layer_idx: int, mass: torch.Tensor) -> None:
+    def _collect(s: _Rows, index: torch.Tensor, layer_idx: int, mass: torch.Tensor) -> None:
+        """Add one layer's mass [m, S] of the rows with original numbers `index` [m]."""
         assert s.mass_layers is not None and s.mass_rows is not None and s.row_layers is not None
-        span_of_row = s.row_span[s.index]
-        s.mass_layers[layer_idx].index_add_(0, span_of_row, mass)
-        s.mass_rows.index_add_(0, s.index, mass)
-        s.row_layers[s.index] += 1
+        s.mass_layers[layer_idx].index_add_(0, s.row_span[index], mass)
+        s.mass_rows.index_add_(0, index, mass)
+        s.row_layers[index] += 1
 
     def _finish(self, h: torch.Tensor, states: list[_Rows]) -> list[SeqResult]:
         results = []

@@ -48,7 +48,8 @@ class SeqWork:
     Every position below positions[-1] that is not computed must already hold K/V in `kv`
     for every layer the row is not computed at.
     last_layer [n]: stop computing a row after this layer (None: all layers).
-    span_bounds [S, 2]: if given, collect attention mass per span (see SeqResult).
+    span_bounds [S, 2]: if given, collect attention mass per span (see SeqResult) for the rows
+    selected by stats_rows (bool [n]; None: all rows). Only those rows pay for explicit scores.
     hooks: layer -> Hook; hooks_need_old: also pass the K/V the write replaced.
     logits_for: "last" (the last row), "all" rows, or "none".
     """
@@ -58,6 +59,7 @@ class SeqWork:
     positions: torch.Tensor
     last_layer: torch.Tensor | None = None
     span_bounds: torch.Tensor | None = None
+    stats_rows: torch.Tensor | None = None
     hooks: dict[int, Hook] = field(default_factory=dict)
     hooks_need_old: bool = False
     logits_for: str = "last"

@@ -1,0 +1,50 @@
+"""Per-request reuse report: what each chunk reused and recomputed, and the totals."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class ChunkReport:
+    key: str
+    label: str | None
+    is_hit: bool
+    variant_id: str | None
+    s_old: list[str] | None
+    num_tokens: int
+    tokens_recomputed: int
+    last_layer: int | None
+    """Layer through which this chunk's recomputed tokens ran (None: nothing recomputed)."""
+    cci: float | None = None
+    beta: float | None = None
+    gamma: float | None = None
+    beta_adj: float | None = None
+    cfo: float | None = None
+
+
+@dataclass(slots=True)
+class RequestReport:
+    mode: str
+    chunks: list[ChunkReport]
+    prompt_tokens: int
+    tokens_computed: int
+    """Prompt positions computed fresh at layer 0 (question and uncached prefix included)."""
+    layer_fraction: float
+    """Share of (position, layer) pairs computed: early termination lowers it."""
+    ttft_ms: float = 0.0
+    prefix_cached: int = 0
+
+    @property
+    def tokens_reused(self) -> int:
+        return self.prompt_tokens - self.tokens_computed
+
+    @property
+    def computed_fraction(self) -> float:
+        return self.tokens_computed / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["tokens_reused"] = self.tokens_reused
+        out["computed_fraction"] = self.computed_fraction
+        return out

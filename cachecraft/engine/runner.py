@@ -1,0 +1,293 @@
+"""Runner: turn a request into a plan, assemble its KV, run the partial prefill, make variants.
+
+plan(request, mode)  -> RecomputePlan            (store metadata only)
+start(plan)          -> PrefillJob (KV spliced: prefix cache + moved chunk K/V; SeqWork)
+model.forward_step([job.work, ...])              (one or many jobs batched by the engine)
+finish(job, result)  -> PrefillOutcome (first-token logits, report, new variants)
+commit(outcome)      -> variants offered to the store, off the time-to-first-token path
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from cachecraft.config import MODES, ReuseConfig
+from cachecraft.engine.hooks import DeviationSelect, EarlyTermination
+from cachecraft.engine.prefix_cache import PrefixCache
+from cachecraft.engine.report import ChunkReport, RequestReport
+from cachecraft.errors import BadRequestError
+from cachecraft.model.kv import KVCache
+from cachecraft.model.loader import DTYPES, LoadedModel
+from cachecraft.model.step import Hook, SeqResult, SeqWork
+from cachecraft.request import RagRequest
+from cachecraft.reuse.layout import build_layout
+from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
+from cachecraft.reuse.planner import plan_request
+from cachecraft.reuse.stats import cci
+from cachecraft.store.base import ChunkStore
+from cachecraft.store.meta import VariantMeta
+from cachecraft.store.variant import Variant
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PrefillJob:
+    """One request between `start` and `finish`. rows: the positions computed, ascending."""
+
+    plan: RecomputePlan
+    kv: KVCache
+    work: SeqWork
+    rows: torch.Tensor
+    prefix_computed: bool
+    t_start: float
+    early_exit: EarlyTermination | None = None
+
+
+@dataclass(slots=True)
+class PrefillOutcome:
+    first_logits: torch.Tensor
+    report: RequestReport
+    variants: list[Variant] = field(default_factory=list)
+    hits: list[tuple[str, float]] = field(default_factory=list)
+    misses: list[str] = field(default_factory=list)
+
+
+class Runner:
+    """Executes plans for one model over one chunk store (and its own exact prefix cache)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        store: ChunkStore,
+        reuse: ReuseConfig | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.store = store
+        self.reuse = reuse or ReuseConfig()
+        self.prefix_cache = prefix_cache or PrefixCache()
+        self.storage_dtype = DTYPES[self.reuse.storage_dtype]
+
+    # ---- planning -------------------------------------------------------------------------
+    def plan(
+        self,
+        request: RagRequest,
+        mode: str,
+        budgets: list[int | None] | None = None,
+        lookup: bool = True,
+    ) -> RecomputePlan:
+        """The request's plan; `lookup=False` ignores stored variants (every chunk computed in
+        full and made a variant: `LLM.precompute`)."""
+        if mode not in MODES:
+            raise BadRequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        m = self.loaded
+        layout = build_layout(request, m.tokenizer, m.fingerprint, m.arch.max_position_embeddings)
+        variants: dict[str, list[VariantMeta]] = {}
+        if mode != "full" and lookup:
+            variants = {c.key: self.store.variants(c.key) for c in layout.chunks}
+        return plan_request(layout, variants, mode, self.reuse, m.arch.num_layers, budgets)
+
+    # ---- KV assembly ----------------------------------------------------------------------
+    def start(self, plan: RecomputePlan, extra_capacity: int = 0, t_start: float | None = None):
+        """Splice the KV and build the SeqWork. A variant that cannot be loaded becomes a miss."""
+        t0 = time.perf_counter() if t_start is None else t_start
+        m, layout = self.loaded, plan.layout
+        kv = KVCache(m.arch, layout.num_tokens + extra_capacity, m.model.dtype, m.model.device)
+        rows: list[int] = []
+        prefix = self.prefix_cache.get(layout.prefix_key) if plan.mode != "full" else None
+        if prefix is not None:
+            kv.write(0, *prefix)
+        else:
+            rows.extend(range(layout.prefix_len))
+        chunks = []
+        for cp in plan.chunks:
+            cp = self._splice(kv, cp)
+            chunks.append(cp)
+            start = cp.slot.start
+            if cp.variant is None or cp.deviation_budget is not None:
+                rows.extend(range(start, cp.slot.end))
+            else:
+                rows.extend(start + i for i in cp.recompute)
+        rows.extend(range(layout.question_start, layout.num_tokens))
+        plan = replace(plan, chunks=tuple(chunks))
+        positions = torch.tensor(rows, dtype=torch.long)
+        ids = torch.tensor(layout.token_ids, dtype=torch.long)[positions]
+        work = SeqWork(kv, ids, positions)
+        job = PrefillJob(plan, kv, work, positions, prefix is None, t0)
+        self._add_stats(job)
+        self._add_hooks(job)
+        return job
+
+    def _splice(self, kv: KVCache, cp: ChunkPlan) -> ChunkPlan:
+        if cp.variant is None:
+            return cp
+        variant = self.store.load(cp.variant.variant_id)
+        if variant is None:
+            log.warning("variant %s vanished; computing chunk in full", cp.variant.variant_id)
+            return ChunkPlan(slot=cp.slot, variant=None, recompute=tuple(range(cp.slot.num_tokens)))
+        dtype, device = kv.k.dtype, kv.k.device
+        positions = torch.arange(cp.slot.start, cp.slot.end, device=device)
+        keys = self.loaded.model.rope.rotate(variant.keys.to(device, dtype), positions)
+        kv.write(cp.slot.start, keys, variant.values.to(device, dtype))
+        return cp
+
+    def _add_stats(self, job: PrefillJob) -> None:
+        """Attention statistics for chunks computed in full: they become variants."""
+        plan, layout = job.plan, job.plan.layout
+        misses = [cp for cp in plan.chunks if cp.variant is None]
+        if plan.mode == "full" or not misses:
+            return
+        bounds = [(0, layout.prefix_len)]
+        bounds += [(cp.slot.start, cp.slot.end) for cp in plan.chunks]
+        bounds.append((layout.question_start, layout.num_tokens))
+        selected = torch.zeros_like(job.rows, dtype=torch.bool)
+        for cp in misses:
+            selected |= (job.rows >= cp.slot.start) & (job.rows < cp.slot.end)
+        job.work.span_bounds = torch.tensor(bounds, dtype=torch.long)
+        job.work.stats_rows = selected
+
+    def _add_hooks(self, job: PrefillJob) -> None:
+        plan, layout = job.plan, job.plan.layout
+        top = self.loaded.arch.num_layers - 1
+        hooks: dict[int, Hook] = {}
+        if plan.et_layer is not None and plan.focus_threshold is not None and plan.et_layer < top:
+            eligible = tuple(
+                i for i, cp in enumerate(plan.chunks) if cp.variant is not None and cp.recompute
+            )
+            bounds = torch.tensor([(c.slot.start, c.slot.end) for c in plan.chunks] or [(0, 0)])
+            if eligible:
+                job.early_exit = EarlyTermination(
+                    layout.question_start, bounds, eligible, plan.focus_threshold
+                )
+                hooks[plan.et_layer] = job.early_exit
+        if plan.cacheblend_check_layer is not None:
+            spans = tuple(
+                (cp.slot.start, cp.slot.end, cp.deviation_budget)
+                for cp in plan.chunks
+                if cp.variant is not None and cp.deviation_budget is not None
+            )
+            if spans:
+                hooks[min(plan.cacheblend_check_layer, top)] = DeviationSelect(spans)
+                job.work.hooks_need_old = True
+        job.work.hooks = hooks
+
+    # ---- after the forward ----------------------------------------------------------------
+    def finish(self, job: PrefillJob, result: SeqResult) -> PrefillOutcome:
+        plan, layout = job.plan, job.plan.layout
+        top = self.loaded.arch.num_layers - 1
+        last = result.rows_last_layer
+        chunk_reports, hits, misses = [], [], []
+        tokens_computed = int((job.rows < layout.prefix_len).sum())
+        tokens_computed += len(layout.question_ids)
+        for cp in plan.chunks:
+            in_chunk = (job.rows >= cp.slot.start) & (job.rows < cp.slot.end)
+            if cp.deviation_budget is not None:  # CacheBlend: tokens kept past the check layer
+                done = int((in_chunk & (last == top)).sum())
+            else:
+                done = int(in_chunk.sum())
+            tokens_computed += done
+            chunk_reports.append(self._chunk_report(cp, done, last[in_chunk]))
+            if cp.variant is not None:
+                hits.append((cp.variant.variant_id, done / max(1, cp.slot.num_tokens)))
+            elif plan.mode != "full":
+                misses.append(cp.slot.key)
+        total_layers = layout.num_tokens * (top + 1)
+        report = RequestReport(
+            mode=plan.mode,
+            chunks=chunk_reports,
+            prompt_tokens=layout.num_tokens,
+            tokens_computed=tokens_computed,
+            layer_fraction=float((last + 1).sum()) / total_layers if total_layers else 0.0,
+            prefix_cached=layout.prefix_len if not job.prefix_computed else 0,
+        )
+        variants = [] if plan.mode == "full" else self._new_variants(job, result)
+        if job.prefix_computed and plan.mode != "full":
+            p = layout.prefix_len
+            self.prefix_cache.put(
+                layout.prefix_key, job.kv.k[:, :, :p].clone(), job.kv.v[:, :, :p].clone()
+            )
+        return PrefillOutcome(result.logits[-1], report, variants, hits, misses)
+
+    @staticmethod
+    def _chunk_report(cp: ChunkPlan, done: int, last: torch.Tensor) -> ChunkReport:
+        v = cp.variant
+        return ChunkReport(
+            key=cp.slot.key,
+            label=cp.slot.label,
+            is_hit=v is not None,
+            variant_id=v.variant_id if v else None,
+            s_old=list(v.s_old) if v else None,
+            num_tokens=cp.slot.num_tokens,
+            tokens_recomputed=done,
+            last_layer=int(last.max()) if last.numel() else None,
+            cci=cp.cci,
+            beta=cp.beta,
+            gamma=cp.gamma,
+            beta_adj=cp.beta_adj,
+            cfo=cp.cfo,
+        )
+
+    def _new_variants(self, job: PrefillJob, result: SeqResult) -> list[Variant]:
+        plan, layout = job.plan, job.plan.layout
+        if result.span_mass_layers is None or result.row_span_mass is None:
+            return []
+        span_mass = result.span_mass_layers.tolist()  # [L][S][S], span i+1 is chunk i
+        rope, out = self.loaded.model.rope, []
+        for i, cp in enumerate(plan.chunks):
+            if cp.variant is not None:
+                continue
+            slot, n = cp.slot, cp.slot.num_tokens
+            earlier = plan.chunks[:i]
+            inter = tuple(
+                tuple(layer[i + 1][j + 1] for layer in span_mass) for j in range(len(earlier))
+            )
+            intra = tuple(layer[i + 1][i + 1] for layer in span_mass)
+            rows = (job.rows >= slot.start) & (job.rows < slot.end)
+            scores = result.row_span_mass[rows][:, 1 : i + 1].sum(-1)
+            sizes = tuple(c.slot.num_tokens for c in earlier)
+            meta = VariantMeta(
+                chunk_key=slot.key,
+                prefix_key=layout.prefix_key,
+                s_old=tuple(c.slot.key for c in earlier),
+                s_old_sizes=sizes,
+                num_tokens=n,
+                num_layers=len(intra),
+                inter=inter,
+                intra=intra,
+                token_scores=tuple(scores.tolist()),
+                cci=cci(inter, intra, sizes, n),
+            )
+            positions = torch.arange(slot.start, slot.end, device=job.kv.k.device)
+            keys = rope.unrotate(job.kv.k[:, :, slot.start : slot.end], positions)
+            values = job.kv.v[:, :, slot.start : slot.end]
+            out.append(
+                Variant(meta, keys.to(self.storage_dtype), values.to(self.storage_dtype).clone())
+            )
+        return out
+
+    def commit(self, outcome: PrefillOutcome) -> None:
+        """Tell the store what was reused and missed, and offer the new variants."""
+        for variant_id, cfo in outcome.hits:
+            self.store.record_hit(variant_id, cfo)
+        for key in outcome.misses:
+            self.store.record_miss(key)
+        for variant in outcome.variants:
+            self.store.offer(variant)
+
+    def prefill(
+        self,
+        request: RagRequest,
+        mode: str,
+        budgets: list[int | None] | None = None,
+        extra_capacity: int = 0,
+    ) -> tuple[PrefillJob, PrefillOutcome]:
+        """plan + start + forward + finish for one request (no commit)."""
+        t0 = time.perf_counter()
+        job = self.start(self.plan(request, mode, budgets), extra_capacity, t0)
+        result = self.loaded.model.forward_step([job.work])[0]
+        return job, self.finish(job, result)

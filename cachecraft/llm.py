@@ -1,0 +1,161 @@
+"""LLM: the offline API. `LLM(model).generate(requests, sampling, mode=...)` and `.precompute`.
+
+One request at a time through the Runner (the server's engine batches many); every mode goes
+through the same planner and runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cachecraft.config import ReuseConfig
+from cachecraft.engine.generate import decode
+from cachecraft.engine.report import RequestReport
+from cachecraft.engine.runner import Runner
+from cachecraft.engine.sampling import SamplingParams
+from cachecraft.errors import BadRequestError
+from cachecraft.model.loader import load_model
+from cachecraft.model.step import SeqWork
+from cachecraft.request import Chunk, RagRequest
+from cachecraft.store.base import ChunkStore
+from cachecraft.store.memory import MemoryStore
+
+DEFAULT_STORE_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """text and token_ids of the answer; report of what was reused.
+
+    first_token_logits [vocab] is kept when asked (`keep_logits`); teacher_forced_logits
+    [m, vocab]: row j is the distribution for forced token j given the prompt and tokens < j.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    report: RequestReport
+    first_token_logits: torch.Tensor | None = None
+    teacher_forced_logits: torch.Tensor | None = None
+
+
+def reuse_config(**fields: object) -> ReuseConfig:
+    """ReuseConfig from keyword fields, with a clear error for an unknown one."""
+    known = {f.name for f in dataclasses.fields(ReuseConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise BadRequestError(f"unknown option(s) {unknown}; known: {sorted(known)}")
+    return ReuseConfig(**fields)  # type: ignore[arg-type]
+
+
+class LLM:
+    """A model plus a chunk store. `store` defaults to an in-memory LRU store."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        store: ChunkStore | None = None,
+        **reuse: object,
+    ) -> None:
+        self.loaded = load_model(model, dtype, device)
+        self.config = reuse_config(**reuse)
+        store = store or MemoryStore(DEFAULT_STORE_BYTES, self.config.max_variants_per_chunk)
+        self.runner = Runner(self.loaded, store, self.config)
+
+    @property
+    def store(self) -> ChunkStore:
+        return self.runner.store
+
+    def generate(
+        self,
+        requests: RagRequest | list[RagRequest],
+        sampling: SamplingParams | None = None,
+        mode: str = "cachecraft",
+        *,
+        budgets: list[list[int | None] | None] | None = None,
+        teacher_force: list[list[int] | None] | None = None,
+        keep_logits: bool = False,
+    ) -> list[RequestOutput]:
+        """Answer each request in order. budgets[i] / teacher_force[i] go with requests[i]."""
+        items = [requests] if isinstance(requests, RagRequest) else list(requests)
+        for r in items:
+            if not isinstance(r, RagRequest):
+                raise BadRequestError(f"expected RagRequest, got {type(r).__name__}")
+        sampling = sampling or SamplingParams()
+        outs = []
+        for i, request in enumerate(items):
+            b = budgets[i] if budgets else None
+            tf = teacher_force[i] if teacher_force else None
+            outs.append(self._one(request, sampling, mode, b, tf, keep_logits))
+        return outs
+
+    def _one(
+        self,
+        request: RagRequest,
+        sampling: SamplingParams,
+        mode: str,
+        budgets: list[int | None] | None,
+        forced: list[int] | None,
+        keep_logits: bool,
+    ) -> RequestOutput:
+        model, tok = self.loaded.model, self.loaded.tokenizer
+        extra = sampling.max_tokens + (len(forced) if forced else 0)
+        t0 = time.perf_counter()
+        job, outcome = self.runner.prefill(request, mode, budgets, extra_capacity=extra)
+        tokens = decode(model, job.kv, outcome.first_logits, sampling, self.loaded.eos_token_ids)
+        first = next(tokens)
+        outcome.report.ttft_ms = 1000 * (time.perf_counter() - t0)
+        tf_logits = None
+        if forced:
+            # Forced tokens go after the prompt; decoding then rewrites those positions.
+            n = outcome.report.prompt_tokens
+            pos = torch.arange(n, n + len(forced))
+            work = SeqWork(job.kv, torch.tensor(forced), pos, logits_for="all")
+            step = model.forward_step([work])[0].logits
+            tf_logits = torch.cat([outcome.first_logits[None], step[:-1]])
+            job.kv.length = n
+        ids = [first, *tokens]
+        self.runner.commit(outcome)
+        eos = set(self.loaded.eos_token_ids) | set(sampling.stop_token_ids)
+        stopped = ids[-1] in eos and not sampling.ignore_eos
+        text_ids = ids[:-1] if stopped else ids
+        return RequestOutput(
+            text=tok.decode(text_ids, skip_special_tokens=True).strip(),
+            token_ids=ids,
+            finish_reason="stop" if stopped else "length",
+            report=outcome.report,
+            first_token_logits=outcome.first_logits if keep_logits else None,
+            teacher_forced_logits=tf_logits,
+        )
+
+    def precompute(
+        self,
+        chunks: list[Chunk | str],
+        context: list[Chunk | str] | None = None,
+        namespace: str = "default",
+        system: str | None = None,
+    ) -> list[str]:
+        """Compute each chunk in full after `context` (S_old) and store it; returns the
+        variant ids of `chunks` (those the store admitted)."""
+        ids = []
+        before = list(context or [])
+        for chunk in chunks:
+            request = RagRequest(".", [*before, chunk], system=system, namespace=namespace)
+            plan = self.runner.plan(request, "cachecraft", lookup=False)
+            job = self.runner.start(plan)
+            result = self.loaded.model.forward_step([job.work])[0]
+            outcome = self.runner.finish(job, result)
+            self.runner.commit(outcome)
+            target = outcome.variants[-1]
+            if any(
+                v.variant_id == target.variant_id for v in self.store.variants(target.chunk_key)
+            ):
+                ids.append(target.variant_id)
+        return ids
