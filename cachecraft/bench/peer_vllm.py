@@ -1,0 +1,224 @@
+"""The real peer: vLLM's OpenAI server with automatic prefix caching, run from its own venv.
+
+`VllmServer` starts it as a subprocess on a free loopback port with the settings of
+docs/peers.md (fp32, 32-token blocks, eager, 2 threads) and stops it; `prefix_cache_stats`
+reads its prefix-cache counters from /metrics. The venv comes from `make peer-vllm`, never
+from `make setup`; nothing here imports vllm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachecraft.errors import CachecraftError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PEER_PYTHON = Path(".peer-venv/bin/python")
+SERVED_MODEL_NAME = "cachecraft-peer"
+# counters (tokens) in vLLM 0.32's /metrics; the parser drops the `_total` suffix of families
+PREFIX_CACHE_METRICS = {
+    "queries": "vllm:prefix_cache_queries",
+    "hits": "vllm:prefix_cache_hits",
+}
+
+
+class PeerError(CachecraftError):
+    """The peer server is not installed, did not start, or answered nonsense."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _log_tail(path: Path, num_lines: int = 30) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-num_lines:])
+
+
+class VllmServer:
+    """`with VllmServer(model_dir) as srv: srv.base_url` runs vLLM for the block's duration."""
+
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        python: str | Path = DEFAULT_PEER_PYTHON,
+        num_threads: int = 2,
+        kvcache_gib: int = 2,
+        block_size: int = 32,
+        startup_timeout_s: float = 600.0,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.python = Path(python).absolute()  # absolute, not resolved: keep the venv symlink
+        self.num_threads = num_threads
+        self.kvcache_gib = kvcache_gib
+        self.block_size = block_size
+        self.startup_timeout_s = startup_timeout_s
+        self.extra_args = tuple(extra_args)
+        self.model_name = SERVED_MODEL_NAME
+        self.port: int | None = None
+        self.startup_s: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmp: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise PeerError("the vLLM server is not running")
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path | None:
+        return None if self._tmp is None else self._tmp / "vllm.log"
+
+    def command(self) -> list[str]:
+        return [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(self.block_size),
+            "--enable-prefix-caching",
+            "--enforce-eager",
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+            *self.extra_args,
+        ]
+
+    def start(self) -> VllmServer:
+        if not self.python.exists():
+            raise PeerError(f"no peer venv at {self.python}: run `make peer-vllm` first")
+        if self.model_dir is None:
+            from cachecraft.model.loader import resolve_model_dir
+
+            self.model_dir = resolve_model_dir(None)
+        self.port = free_port()
+        self._tmp = Path(tempfile.mkdtemp(prefix="cachecraft-vllm-"))
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(self.num_threads),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib),
+            "VLLM_CACHE_ROOT": str(self._tmp / "cache"),
+        }
+        env.pop("PYTHONPATH", None)  # never leak our venv's packages into the peer
+        logger.info("starting vLLM on port %d (log %s)", self.port, self.log_path)
+        t0 = time.perf_counter()
+        with self.log_path.open("wb") as log:  # type: ignore[union-attr]
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self._tmp,
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        logger.info("vLLM ready in %.1f s", self.startup_s)
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        assert self._proc is not None and self.log_path is not None
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise PeerError(
+                    f"vLLM exited with code {self._proc.returncode} while starting; "
+                    f"last lines of its log:\n{_log_tail(self.log_path)}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise PeerError(
+            f"vLLM not healthy after {self.startup_timeout_s:g} s; "
+            f"last lines of its log:\n{_log_tail(self.log_path)}"
+        )
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Terminate, then kill after `grace_s`; removes the temp dir (log included)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("vLLM did not stop in %.0f s; killing it", grace_s)
+                proc.kill()
+                proc.wait(10)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+        self.port = None
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def parse_prefix_cache_stats(metrics_text: str) -> dict[str, float]:
+    """{"queries", "hits"} in tokens, summed over label sets, from Prometheus text; a counter
+    the text lacks raises PeerError."""
+    found: dict[str, float] = {}
+    wanted = {name: key for key, name in PREFIX_CACHE_METRICS.items()}
+    for family in text_string_to_metric_families(metrics_text):
+        key = wanted.get(family.name)
+        if key is None:
+            continue
+        found[key] = found.get(key, 0.0) + sum(
+            s.value for s in family.samples if s.name == f"{family.name}_total"
+        )
+    missing = sorted(set(PREFIX_CACHE_METRICS) - set(found))
+    if missing:
+        names = ", ".join(PREFIX_CACHE_METRICS[k] + "_total" for k in missing)
+        raise PeerError(f"/metrics has no {names}")
+    return found
+
+
+def prefix_cache_stats(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """vLLM's prefix-cache counters now: {"queries", "hits"} (prompt tokens looked up / found)."""
+    resp = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
+    resp.raise_for_status()
+    return parse_prefix_cache_stats(resp.text)

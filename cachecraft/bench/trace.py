@@ -1,0 +1,163 @@
+"""Serving traces: Poisson arrival times and the HTTP request bodies replayed by the load generator.
+
+`rag_trace` makes chat-completion bodies for our server (documents as an extension field);
+`vllm_trace` makes `/v1/completions` bodies whose prompt is the token id list of exactly the
+prompt layout our engine builds, so both servers prefill the same tokens. Owns no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cachecraft.bench.item import WorkloadItem
+from cachecraft.errors import BadRequestError
+from cachecraft.request import RagRequest
+from cachecraft.reuse.layout import build_layout
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace: sent `arrival_s` seconds after the run starts, to `path`."""
+
+    arrival_s: float
+    body: dict[str, Any]
+    path: str = CHAT_PATH
+    id: str = ""
+
+
+def poisson_arrivals(n: int, rate_per_s: float, seed: int) -> list[float]:
+    """`n` arrival times of a Poisson process of `rate_per_s`, the first at 0.0 (so the n-1 gaps
+    are i.i.d. exponential with mean 1/rate). Deterministic for a given seed."""
+    if n < 0:
+        raise BadRequestError(f"the number of arrivals must be >= 0, got {n}")
+    if not rate_per_s > 0:
+        raise BadRequestError(f"the arrival rate must be > 0, got {rate_per_s}")
+    if n == 0:
+        return []
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate_per_s, size=n - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def _arrivals(items: Sequence[WorkloadItem], rate: float | None, seed: int) -> list[float]:
+    if rate is not None:
+        return poisson_arrivals(len(items), rate, seed)
+    return [it.arrival_s or 0.0 for it in items]
+
+
+def chat_body(
+    request: RagRequest,
+    mode: str | None = None,
+    max_tokens: int = 32,
+    model: str = "cachecraft",
+    namespace: str | None = None,
+    ignore_eos: bool = False,
+) -> dict[str, Any]:
+    """A streamed, greedy chat-completion body for our server (documents as an extension)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": request.system},
+            {"role": "user", "content": request.question},
+        ],
+        "documents": [
+            {"id": c.id, "text": c.text} if c.id else {"text": c.text} for c in request.chunks
+        ],
+        "cache_namespace": namespace or request.namespace,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if mode is not None:
+        body["cachecraft_mode"] = mode
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def rag_trace(
+    items: Sequence[WorkloadItem],
+    rate: float | None,
+    seed: int,
+    mode: str | None = None,
+    max_tokens: int = 32,
+    model: str = "cachecraft",
+    namespace: str | None = None,
+    ignore_eos: bool = False,
+) -> list[TraceRequest]:
+    """Chat-completion requests for our server, Poisson at `rate` (None: the items' own
+    `arrival_s`). `namespace` overrides each request's cache namespace (a fresh one per run
+    gives every run an empty cache on a shared server)."""
+    arrivals = _arrivals(items, rate, seed)
+    return [
+        TraceRequest(
+            arrival_s=t,
+            body=chat_body(it.request, mode, max_tokens, model, namespace, ignore_eos),
+            path=CHAT_PATH,
+            id=it.id,
+        )
+        for it, t in zip(items, arrivals, strict=True)
+    ]
+
+
+def layout_token_ids(request: RagRequest, tokenizer: Any) -> list[int]:
+    """The prompt token ids our engine prefills for `request`: the template head, each chunk
+    tokenized alone as `text + "\\n\\n"`, then "Question: ..." and the template tail."""
+    # the fingerprint only feeds the cache keys, never the ids
+    return list(build_layout(request, tokenizer, fingerprint="").token_ids)
+
+
+def completions_body(
+    prompt_ids: list[int],
+    max_tokens: int = 32,
+    model: str = "cachecraft",
+    cache_salt: str | None = None,
+    ignore_eos: bool = False,
+) -> dict[str, Any]:
+    """A streamed, greedy `/v1/completions` body with a token-id prompt (vLLM)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt_ids,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def vllm_trace(
+    items: Sequence[WorkloadItem],
+    rate: float | None,
+    seed: int,
+    tokenizer: Any,
+    model: str = "cachecraft",
+    max_tokens: int = 32,
+    cache_salt: str | None = None,
+    ignore_eos: bool = False,
+) -> list[TraceRequest]:
+    """The same arrivals as `rag_trace(items, rate, seed)` as vLLM completion requests whose
+    prompt is `layout_token_ids`. `cache_salt` isolates a run's prefix cache in vLLM."""
+    arrivals = _arrivals(items, rate, seed)
+    return [
+        TraceRequest(
+            arrival_s=t,
+            body=completions_body(
+                layout_token_ids(it.request, tokenizer), max_tokens, model, cache_salt, ignore_eos
+            ),
+            path=COMPLETIONS_PATH,
+            id=it.id,
+        )
+        for it, t in zip(items, arrivals, strict=True)
+    ]

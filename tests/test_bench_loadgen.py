@@ -1,0 +1,167 @@
+"""The open-loop load generator against a fake OpenAI-compatible SSE server started here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cachecraft.bench.loadgen import RequestResult, replay, summarize
+from cachecraft.bench.trace import TraceRequest
+
+NUM_CHUNKS = 4
+CHUNK_DELAY_S = 0.05
+
+
+def _fake_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> object:
+        body = await request.json()
+        if body.get("reject"):
+            return JSONResponse({"error": {"message": "busy"}}, status_code=429)
+        if body.get("fail"):
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        delay = float(body.get("delay_s", CHUNK_DELAY_S))
+
+        async def events() -> object:
+            head = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+            yield f"data: {json.dumps(head)}\n\n"
+            for i in range(NUM_CHUNKS):
+                await asyncio.sleep(delay)
+                piece = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+                yield f"data: {json.dumps(piece)}\n\n"
+            usage = {
+                "prompt_tokens": 100,
+                "completion_tokens": NUM_CHUNKS,
+                "prompt_tokens_details": {"cached_tokens": 60},
+                "cachecraft": {"tokens_computed": 30, "prompt_tokens": 100},
+            }
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> object:
+        body = await request.json()
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 2}
+        if not body.get("stream"):
+            return {"choices": [{"index": 0, "text": "ab"}], "usage": usage}
+
+        async def events() -> object:
+            for piece in ("a", "b"):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': piece}]})}\n\n"
+            usage["prompt_tokens_details"] = {"cached_tokens": 1}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_url() -> Iterator[str]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(_fake_app(), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "fake server did not start"
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+def _chat(arrival: float, **extra: object) -> TraceRequest:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
+    return TraceRequest(arrival_s=arrival, body=body)
+
+
+def test_streams_record_ttft_e2e_and_usage(fake_url: str) -> None:
+    results = replay([_chat(0.0), _chat(0.02)], fake_url, request_timeout_s=10)
+    for r in results:
+        assert r.is_ok, r.error
+        assert r.ttft_s is not None and r.e2e_s is not None
+        assert CHUNK_DELAY_S * 0.9 <= r.ttft_s < r.e2e_s
+        assert r.e2e_s >= NUM_CHUNKS * CHUNK_DELAY_S * 0.9
+        assert r.text == "t0 t1 t2 t3 "
+        assert (r.prompt_tokens, r.cached_tokens, r.computed_tokens) == (100, 60, 30)
+        assert r.num_output_tokens == NUM_CHUNKS
+    s = summarize(results)
+    assert (s["num_completed"], s["num_rejected"], s["num_errors"]) == (2, 0, 0)
+    assert s["computed_fraction"] == 0.3
+    assert s["ttft_ms_p50"] < s["e2e_ms_p50"] <= s["e2e_ms_p95"]
+    assert 0 < s["throughput_rps"] <= 2 / (NUM_CHUNKS * CHUNK_DELAY_S)
+
+
+def test_open_loop_slow_responses_do_not_delay_later_sends(fake_url: str) -> None:
+    # every response takes >= 1.2 s; ten requests scheduled 0.05 s apart must still go out
+    # on time (a closed loop would send the second one only after the first completed)
+    trace = [_chat(0.05 * i, delay_s=0.3) for i in range(10)]
+    t0 = time.perf_counter()
+    results = replay(trace, fake_url, request_timeout_s=20)
+    wall = time.perf_counter() - t0
+    assert all(r.is_ok for r in results)
+    for r in results:
+        assert r.sent_s is not None and r.sent_s - r.scheduled_s < 0.5
+    assert wall < 5.0  # overlapped; one after another would take 10 x 1.2 s
+    assert summarize(results)["send_lag_ms_max"] < 500
+
+
+def test_429_counts_as_rejected_and_500_as_error(fake_url: str) -> None:
+    trace = [_chat(0.0, reject=True), _chat(0.0, fail=True), _chat(0.0)]
+    results = replay(trace, fake_url, request_timeout_s=10)
+    assert results[0].is_rejected and results[0].error is None and not results[0].is_ok
+    assert results[1].status == 500 and "boom" in (results[1].error or "")
+    s = summarize(results)
+    assert (s["num_completed"], s["num_rejected"], s["num_errors"]) == (1, 1, 1)
+
+
+def test_request_timeout_and_unreachable_server_are_errors(fake_url: str) -> None:
+    slow = replay([_chat(0.0, delay_s=5.0)], fake_url, request_timeout_s=0.3)
+    assert slow[0].error is not None and "timed out" in slow[0].error
+    dead = replay([_chat(0.0)], "http://127.0.0.1:9", request_timeout_s=2)
+    assert dead[0].error is not None and dead[0].status is None
+    assert summarize(slow + dead)["num_errors"] == 2
+
+
+def test_run_timeout_cuts_off_the_run(fake_url: str) -> None:
+    t0 = time.perf_counter()
+    results = replay([_chat(0.0, delay_s=2.0)], fake_url, request_timeout_s=30, run_timeout_s=0.5)
+    assert time.perf_counter() - t0 < 2.0
+    assert results[0].error is not None and "run timed out" in results[0].error
+
+
+def test_completions_stream_and_non_stream(fake_url: str) -> None:
+    body = {"prompt": [1, 2, 3], "max_tokens": 2}
+    trace = [
+        TraceRequest(0.0, {**body, "stream": True}, path="/v1/completions"),
+        TraceRequest(0.0, body, path="/v1/completions"),
+    ]
+    streamed, plain = replay(trace, fake_url, request_timeout_s=10)
+    assert streamed.text == plain.text == "ab"
+    assert (streamed.prompt_tokens, streamed.cached_tokens, streamed.computed_tokens) == (3, 1, 2)
+    assert plain.prompt_tokens == 3 and plain.computed_tokens is None
+
+
+def test_summary_of_nothing_completed() -> None:
+    s = summarize([RequestResult(index=0, id="a", scheduled_s=0.0, status=429)])
+    assert s["throughput_rps"] == 0.0 and s["e2e_ms_p50"] is None
+    assert s["computed_fraction"] is None and s["num_rejected"] == 1
