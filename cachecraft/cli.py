@@ -1,0 +1,163 @@
+"""`cachecraft` command line: ask, bench (model | quality | store | serve), chunks, calibrate, serve.
+
+Owns argument parsing and turning CachecraftError into one clear line (exit code 2); the
+work itself lives in the library. Subcommands owned elsewhere register their own parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+from cachecraft.config import MODES
+from cachecraft.errors import CachecraftError
+
+# (module, function) pairs that add a subcommand parser; optional so a partial checkout runs.
+TOP_LEVEL_PARSERS = (
+    ("cachecraft.server.cli", "add_serve_parser"),
+    ("cachecraft.store.cli", "add_chunks_parser"),
+    ("cachecraft.bench.calibrate", "add_calibrate_parser"),
+)
+BENCH_PARSERS = (
+    ("cachecraft.bench.quality_cli", "add_bench_quality_parser"),
+    ("cachecraft.bench.store_bench", "add_bench_store_parser"),
+    ("cachecraft.bench.serve_bench", "add_bench_serve_parser"),
+)
+
+
+def _register(subparsers: argparse._SubParsersAction, entries: tuple) -> None:
+    for module_name, function in entries:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            continue
+        getattr(module, function)(subparsers)
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from cachecraft.engine.sampling import SamplingParams
+    from cachecraft.llm import LLM
+    from cachecraft.request import Chunk, RagRequest
+
+    chunks = []
+    for path in args.doc or []:
+        p = Path(path)
+        if not p.is_file():
+            raise CachecraftError(f"document not found: {p}")
+        chunks.append(Chunk(p.read_text(encoding="utf-8", errors="replace"), id=p.name))
+    store = None
+    if args.cache_dir:
+        from cachecraft.store.config import StoreConfig, make_store
+
+        store = make_store(StoreConfig(cache_dir=args.cache_dir, device=args.device))
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, store=store, **_overrides(args))
+    request = RagRequest(args.question, chunks, system=args.system)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    out = llm.generate(request, sampling, mode=args.mode)[0]
+    if args.json:
+        print(json.dumps({"text": out.text, "report": out.report.to_dict()}, indent=2))
+        return 0
+    rep = out.report
+    print(out.text)
+    print(
+        f"\n[{rep.mode}] {rep.prompt_tokens} prompt tokens, {rep.tokens_computed} computed "
+        f"({100 * rep.computed_fraction:.0f}%), first token after {rep.ttft_ms:.0f} ms",
+        file=sys.stderr,
+    )
+    for c in rep.chunks:
+        state = f"hit, CFO {c.cfo:.2f}" if c.is_hit and c.cfo is not None else "miss"
+        print(
+            f"  {c.label or c.key[:12]}: {state}, {c.tokens_recomputed} recomputed", file=sys.stderr
+        )
+    return 0
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    """ReuseConfig fields from the calibration file and explicit flags (flags win)."""
+    out: dict = {}
+    try:
+        from cachecraft.bench.calibrate import load_reuse_overrides
+
+        out.update(load_reuse_overrides(getattr(args, "config", None)))
+    except ModuleNotFoundError:
+        pass
+    if getattr(args, "alpha", None) is not None:
+        out["alpha"] = args.alpha
+    return out
+
+
+def _bench_model(args: argparse.Namespace) -> int:
+    from cachecraft.bench.model_bench import run_model_bench
+    from cachecraft.model.loader import load_model
+
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    result = run_model_bench(load_model(args.model), lengths, args.repeats)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"model {result['model']}, {result['threads']} threads, median of {args.repeats}")
+    print(f"max |logit diff| vs HF: {result['max_abs_logit_diff']:.2e}")
+    print(f"32 greedy tokens identical to HF generate: {result['greedy_match']}")
+    for n, row in result["prefill"].items():
+        print(
+            f"  {n:>5} tokens: ours {row['ours_ms']:8.1f} ms, HF {row['hf_ms']:8.1f} ms, "
+            f"speedup {row['speedup']:.2f}x, peak +{row['ours_peak_mib']} / +{row['hf_peak_mib']} MiB"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cachecraft", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ask = sub.add_parser("ask", help="answer a question over documents with chunk-cache reuse")
+    ask.add_argument("--doc", action="append", help="a document file (repeatable)")
+    ask.add_argument("--question", required=True)
+    ask.add_argument("--system", default=None, help="system prompt")
+    ask.add_argument("--mode", choices=MODES, default="cachecraft")
+    ask.add_argument("--model", default=None, help="HF dir or .gguf (default: bundled)")
+    ask.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ask.add_argument("--device", default="cpu")
+    ask.add_argument("--cache-dir", default=None, help="keep chunk-caches on disk here")
+    ask.add_argument("--config", default=None, help="calibration file (cachecraft calibrate)")
+    ask.add_argument("--alpha", type=float, default=None)
+    ask.add_argument("--max-tokens", type=int, default=128)
+    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--json", action="store_true")
+    ask.set_defaults(func=_ask)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    model = bench.add_parser("model", help="our prefill vs HF transformers, side by side")
+    model.add_argument("--model", default=None)
+    model.add_argument("--lengths", default="512,1024,2048")
+    model.add_argument("--repeats", type=int, default=5)
+    model.add_argument("--json", action="store_true")
+    model.set_defaults(func=_bench_model)
+    _register(bench, BENCH_PARSERS)
+    _register(sub, TOP_LEVEL_PARSERS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except CachecraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
