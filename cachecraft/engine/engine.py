@@ -1,0 +1,331 @@
+"""Engine: continuous batching of many requests over one Runner, on one step thread.
+
+Per step: plan newly submitted requests (and prefetch their variants), let the Scheduler pick
+prefills and decodes, run ONE `forward_step` over all of them, sample, push events to each
+request's handle, commit new variants after the first tokens went out, free finished requests.
+Every tensor lives on the step thread; other threads only enqueue (submit, abort, call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cachecraft.config import MODES
+from cachecraft.engine.handle import Failed, Finished, Planned, RequestHandle, Token
+from cachecraft.engine.request import SeqState
+from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner
+from cachecraft.engine.sampling import SamplingParams, make_generator, sample
+from cachecraft.engine.scheduler import QueueFull, Scheduler
+from cachecraft.errors import BadRequestError
+from cachecraft.model.step import SeqWork
+from cachecraft.request import RagRequest
+from cachecraft.reuse.plan import RecomputePlan
+
+log = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine shut down before the request finished."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """token_budget: rows per step (prefill rows computed + 1 per decode); max_running: cap on
+    sequences holding a KV cache; max_queue: waiting requests before QueueFull (HTTP 429)."""
+
+    token_budget: int = 2048
+    max_running: int = 16
+    max_queue: int = 64
+    mode: str = "cachecraft"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+
+
+@dataclass(slots=True)
+class _Live:
+    """Engine-thread state of one request (the tensors the scheduler never sees)."""
+
+    handle: RequestHandle
+    request: RagRequest
+    sampling: SamplingParams
+    mode: str
+    budgets: list[int | None] | None
+    t_submit: float
+    state: SeqState | None = None
+    plan: RecomputePlan | None = None
+    job: PrefillJob | None = None
+    generator: torch.Generator | None = None
+    stops: frozenset[int] = field(default_factory=frozenset)
+    outcome: PrefillOutcome | None = None
+
+
+class Engine:
+    """Owns the runner and the step thread. `start()` before `submit`, `stop()` at the end."""
+
+    def __init__(self, runner: Runner, config: EngineConfig | None = None) -> None:
+        self.runner = runner
+        self.config = config or EngineConfig()
+        c = self.config
+        self.scheduler = Scheduler(c.token_budget, c.max_running, c.max_queue)
+        self._wake = threading.Condition()
+        self._inbox: deque[_Live] = deque()
+        self._aborts: set[str] = set()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+        self.num_aborted = 0
+
+    # ---- other threads ----------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._inbox) + self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    def submit(
+        self,
+        request: RagRequest,
+        sampling: SamplingParams | None = None,
+        mode: str | None = None,
+        budgets: list[int | None] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestHandle:
+        """Queue a request. Raises QueueFull (backpressure) or BadRequestError (unknown mode);
+        planning errors (context length, ...) arrive as a Failed event."""
+        mode = mode or self.config.mode
+        if mode not in MODES:
+            raise BadRequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        with self._wake:
+            if self._stopping or self._thread is None:
+                raise EngineStopped("the engine is not running")
+            if self.num_waiting >= self.config.max_queue:
+                raise QueueFull(f"{self.num_waiting} requests are waiting (max_queue)")
+            handle = RequestHandle(f"req-{next(self._ids)}", self.abort, loop)
+            sampling = sampling or SamplingParams()
+            live = _Live(handle, request, sampling, mode, budgets, time.perf_counter())
+            self._inbox.append(live)
+            self._wake.notify()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._aborts.add(request_id)
+            self._wake.notify()
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn()` on the step thread between steps (it may use the model and the store)."""
+        future: Future = Future()
+        with self._wake:
+            if self._stopping or self._thread is None:
+                raise EngineStopped("the engine is not running")
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cachecraft-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the step thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (
+                    self._stopping
+                    or self._inbox
+                    or self._aborts
+                    or self._calls
+                    or self.scheduler.has_work()
+                ):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = list(self._inbox), deque()
+                aborts, self._aborts = self._aborts, set()
+                calls, self._calls = list(self._calls), deque()
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:  # the caller gets it; the loop goes on
+                        future.set_exception(e)
+            for request_id in aborts:
+                self._drop(request_id, abort=True)
+            for live in inbox:
+                if live.handle.request_id in aborts:
+                    self.num_aborted += 1
+                    live.handle.push(Finished("abort", [], None))
+                else:
+                    self._admit(live)
+            try:
+                self._step()
+            except Exception:  # never let one bad step end the loop
+                log.exception("engine step failed")
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._wake:
+            pending = [*self._inbox, *self._live.values()]
+            self._inbox.clear()
+            calls = list(self._calls)
+        for live in pending:
+            live.handle.push(Failed(EngineStopped("the server is shutting down")))
+        for _, future in calls:
+            future.cancel()
+        self._live.clear()
+
+    def _admit(self, live: _Live) -> None:
+        """Plan (store metadata only), prefetch the chosen variants, queue for the scheduler."""
+        rid = live.handle.request_id
+        try:
+            plan = self.runner.plan(live.request, live.mode, live.budgets)
+        except Exception as e:
+            live.handle.push(Failed(e))
+            return
+        layout = plan.layout
+        max_ctx = self.runner.loaded.arch.max_position_embeddings
+        # n output tokens need n - 1 fed back in: positions up to num_tokens + n - 2 < max_ctx.
+        max_tokens = min(live.sampling.max_tokens, max_ctx - layout.num_tokens + 1)
+        live.plan = plan
+        live.state = SeqState(rid, layout.num_tokens, _num_rows(self.runner, plan), max_tokens)
+        live.generator = make_generator(live.sampling)
+        eos = () if live.sampling.ignore_eos else self.runner.loaded.eos_token_ids
+        live.stops = frozenset((*eos, *live.sampling.stop_token_ids))
+        variant_ids = [cp.variant.variant_id for cp in plan.chunks if cp.variant is not None]
+        prefetch = getattr(self.runner.store, "prefetch", None)
+        if variant_ids and prefetch is not None:
+            prefetch(variant_ids)
+        try:
+            self.scheduler.add(live.state)
+        except QueueFull as e:
+            live.handle.push(Failed(e))
+            return
+        self._live[rid] = live
+        live.handle.push(Planned(layout.num_tokens, max_tokens))
+
+    def _step(self) -> None:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return
+        works: list[SeqWork] = []
+        order: list[tuple[str, bool]] = []  # (request id, is_prefill) per work
+        for rid in out.prefill_ids:
+            live = self._live[rid]
+            assert live.plan is not None and live.state is not None
+            try:
+                live.job = self.runner.start(live.plan, live.state.max_tokens, live.t_submit)
+            except Exception as e:
+                self._fail(rid, e)
+                continue
+            works.append(live.job.work)
+            order.append((rid, True))
+        for rid in out.decode_ids:
+            live = self._live[rid]
+            assert live.job is not None and live.state is not None
+            kv = live.job.kv
+            pos = torch.tensor([kv.length], device=kv.k.device)
+            works.append(SeqWork(kv, torch.tensor([live.state.output_ids[-1]]), pos))
+            order.append((rid, False))
+        if not works:
+            return
+        self.num_steps += 1
+        try:
+            results = self.runner.loaded.model.forward_step(works)
+        except Exception as e:
+            log.exception("forward step over %d sequences failed", len(works))
+            for rid, _ in order:
+                self._fail(rid, e)
+            return
+        outcomes: list[PrefillOutcome] = []
+        for (rid, is_prefill), result in zip(order, results, strict=True):
+            live = self._live[rid]
+            if is_prefill:
+                assert live.job is not None
+                try:
+                    outcome = self.runner.finish(live.job, result)
+                except Exception as e:
+                    self._fail(rid, e)
+                    continue
+                live.outcome = outcome
+                outcomes.append(outcome)
+                self.scheduler.prefilled(rid)
+                logits = outcome.first_logits
+            else:
+                logits = result.logits[0]
+            self._emit(live, sample(logits, live.sampling, live.generator))
+        for outcome in outcomes:  # off the time-to-first-token path
+            try:
+                self.runner.commit(outcome)
+            except Exception:
+                log.exception("committing variants failed")
+
+    def _emit(self, live: _Live, token: int) -> None:
+        state = live.state
+        assert state is not None
+        if not state.output_ids and live.outcome is not None:
+            live.outcome.report.ttft_ms = 1000 * (time.perf_counter() - live.t_submit)
+        state.output_ids.append(token)
+        is_stop = token in live.stops
+        live.handle.push(Token(token, is_stop))
+        reason = "stop" if is_stop else None
+        if reason is None and state.num_output_tokens >= state.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(state.request_id, reason)
+            self._live.pop(state.request_id, None)
+            report = live.outcome.report if live.outcome is not None else None
+            live.handle.push(Finished(reason, list(state.output_ids), report))
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        live = self._drop(request_id, abort=False)
+        if live is not None:
+            live.handle.push(Failed(error))
+
+    def _drop(self, request_id: str, abort: bool) -> _Live | None:
+        self.scheduler.abort(request_id)
+        live = self._live.pop(request_id, None)
+        if live is None:  # still in this step's inbox, or already finished
+            return None
+        if abort:
+            self.num_aborted += 1
+            out = list(live.state.output_ids) if live.state else []
+            live.handle.push(Finished("abort", out, None))
+        return live
+
+
+def _num_rows(runner: Runner, plan: RecomputePlan) -> int:
+    """Prompt positions the prefill will compute (what `Runner.start` will select)."""
+    layout = plan.layout
+    prefix_cached = plan.mode != "full" and runner.prefix_cache.get(layout.prefix_key) is not None
+    rows = 0 if prefix_cached else layout.prefix_len
+    for cp in plan.chunks:
+        full = cp.variant is None or cp.deviation_budget is not None
+        rows += cp.slot.num_tokens if full else len(cp.recompute)
+    return rows + len(layout.question_ids)

@@ -1,0 +1,109 @@
+"""Scheduler: FCFS continuous batching over SeqStates under a token budget. Torch-free.
+
+Each step every running sequence decodes one token (1 each from the budget), then waiting
+requests are admitted in arrival order while their prefill rows fit the rest of the budget and
+fewer than `max_running` sequences run. A head-of-line request larger than the whole budget is
+admitted alone in a step with no other prefill, so it never starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from cachecraft.engine.request import SeqState, Status
+
+
+class QueueFull(Exception):
+    """The waiting queue holds `max_queue` requests: try again later (HTTP 429)."""
+
+
+class SchedulerOutput(NamedTuple):
+    prefill_ids: list[str]
+    decode_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill_ids and not self.decode_ids
+
+
+class Scheduler:
+    def __init__(self, token_budget: int = 2048, max_running: int = 16, max_queue: int = 64):
+        if max_running < 1 or max_queue < 1:
+            raise ValueError("max_running and max_queue must be >= 1")
+        if token_budget < max_running:
+            raise ValueError(f"token_budget {token_budget} < max_running {max_running}")
+        self.token_budget = token_budget
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.waiting: deque[SeqState] = deque()
+        self.running: list[SeqState] = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, state: SeqState) -> None:
+        """Queue a request; raises QueueFull when `max_queue` requests already wait."""
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue)")
+        state.status = Status.WAITING
+        self.waiting.append(state)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Admitted requests move to `running` with status PREFILL; the
+        caller marks them DECODE once their prefill ran (`prefilled`)."""
+        decode_ids = [s.request_id for s in self.running if s.status is Status.DECODE]
+        left = self.token_budget - len(decode_ids)
+        prefill_ids: list[str] = []
+        while self.waiting and len(self.running) < self.max_running:
+            head = self.waiting[0]
+            oversize = head.num_prefill_rows > self.token_budget  # could never fit
+            if head.num_prefill_rows > left and not (oversize and not prefill_ids):
+                break
+            self.waiting.popleft()
+            head.status = Status.PREFILL
+            self.running.append(head)
+            prefill_ids.append(head.request_id)
+            left -= head.num_prefill_rows
+        return SchedulerOutput(prefill_ids, decode_ids)
+
+    def prefilled(self, request_id: str) -> None:
+        """The request's prefill ran; from the next step on it decodes."""
+        for s in self.running:
+            if s.request_id == request_id:
+                s.status = Status.DECODE
+                return
+
+    def finish(self, request_id: str, reason: str) -> SeqState | None:
+        """Remove a running request that is done; returns its state (None if unknown)."""
+        for i, s in enumerate(self.running):
+            if s.request_id == request_id:
+                del self.running[i]
+                s.status, s.finish_reason = Status.FINISHED, reason
+                return s
+        return None
+
+    def abort(self, request_id: str) -> SeqState | None:
+        """Remove a waiting or running request; returns its state (None if unknown)."""
+        for queue in (self.waiting, self.running):
+            for s in queue:
+                if s.request_id == request_id:
+                    queue.remove(s)
+                    s.status, s.finish_reason = Status.ABORTED, "abort"
+                    return s
+        return None
+
+    def check_integrity(self) -> None:
+        ids = [s.request_id for s in [*self.waiting, *self.running]]
+        assert len(ids) == len(set(ids)), "a request is queued twice"
+        assert len(self.running) <= self.max_running, "more running than max_running"
+        assert all(s.status is Status.WAITING for s in self.waiting)
+        assert all(s.status in (Status.PREFILL, Status.DECODE) for s in self.running)
