@@ -2,91 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fake_openai import CHUNK_DELAY_S, NUM_CHUNKS, serve_fake
 
 from cachecraft.bench.loadgen import RequestResult, replay, summarize
 from cachecraft.bench.trace import TraceRequest
 
-NUM_CHUNKS = 4
-CHUNK_DELAY_S = 0.05
-
-
-def _fake_app() -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> object:
-        body = await request.json()
-        if body.get("reject"):
-            return JSONResponse({"error": {"message": "busy"}}, status_code=429)
-        if body.get("fail"):
-            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
-        delay = float(body.get("delay_s", CHUNK_DELAY_S))
-
-        async def events() -> object:
-            head = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-            yield f"data: {json.dumps(head)}\n\n"
-            for i in range(NUM_CHUNKS):
-                await asyncio.sleep(delay)
-                piece = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
-                yield f"data: {json.dumps(piece)}\n\n"
-            usage = {
-                "prompt_tokens": 100,
-                "completion_tokens": NUM_CHUNKS,
-                "prompt_tokens_details": {"cached_tokens": 60},
-                "cachecraft": {"tokens_computed": 30, "prompt_tokens": 100},
-            }
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> object:
-        body = await request.json()
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 2}
-        if not body.get("stream"):
-            return {"choices": [{"index": 0, "text": "ab"}], "usage": usage}
-
-        async def events() -> object:
-            for piece in ("a", "b"):
-                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': piece}]})}\n\n"
-            usage["prompt_tokens_details"] = {"cached_tokens": 1}
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return app
-
 
 @pytest.fixture(scope="module")
 def fake_url() -> Iterator[str]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(_fake_app(), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "fake server did not start"
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serve_fake() as url:
+        yield url
 
 
 def _chat(arrival: float, **extra: object) -> TraceRequest:
@@ -150,15 +79,17 @@ def test_run_timeout_cuts_off_the_run(fake_url: str) -> None:
 
 
 def test_completions_stream_and_non_stream(fake_url: str) -> None:
-    body = {"prompt": [1, 2, 3], "max_tokens": 2}
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "cache_salt": "completions-test"}
     trace = [
         TraceRequest(0.0, {**body, "stream": True}, path="/v1/completions"),
-        TraceRequest(0.0, body, path="/v1/completions"),
+        TraceRequest(0.3, {**body, "stream": True}, path="/v1/completions"),
+        TraceRequest(0.0, {**body, "prompt": [7, 8]}, path="/v1/completions"),
     ]
-    streamed, plain = replay(trace, fake_url, request_timeout_s=10)
-    assert streamed.text == plain.text == "ab"
-    assert (streamed.prompt_tokens, streamed.cached_tokens, streamed.computed_tokens) == (3, 1, 2)
-    assert plain.prompt_tokens == 3 and plain.computed_tokens is None
+    cold, warm, plain = replay(trace, fake_url, request_timeout_s=10)
+    assert cold.text == warm.text == plain.text == "ab"
+    assert (cold.prompt_tokens, cold.cached_tokens, cold.computed_tokens) == (3, 0, 3)
+    assert (warm.prompt_tokens, warm.cached_tokens, warm.computed_tokens) == (3, 2, 1)
+    assert plain.prompt_tokens == 2 and plain.computed_tokens is None
 
 
 def test_summary_of_nothing_completed() -> None:

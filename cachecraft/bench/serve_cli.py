@@ -1,0 +1,93 @@
+"""`cachecraft bench serve` on the command line: the argument parser and the table or JSON output.
+
+Wire it with `add_bench_serve_parser(bench_subparsers)`; the work is `run_serve_bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from cachecraft.bench.serve_bench import (
+    DEFAULT_MODES,
+    DEFAULT_RATES,
+    PEERS,
+    get_server_factory,
+    run_serve_bench,
+)
+
+
+def _parse_rates(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--rates takes numbers like 0.1,0.2, got {text!r}"
+        ) from None
+
+
+def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="open-loop Poisson RAG trace per mode and rate (vLLM as the peer)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result dict as JSON")
+    parser.add_argument("--peer", choices=PEERS, default=None, help="add a real peer as a mode")
+    parser.add_argument(
+        "--rates", type=_parse_rates, default=list(DEFAULT_RATES), help="requests/s, e.g. 0.1,0.2"
+    )
+    parser.add_argument("--requests", type=int, default=20, help="requests per rate and mode")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="our modes, comma list")
+    parser.add_argument("--peer-python", default=None, help="python of the peer venv")
+    parser.set_defaults(func=main_serve_bench)
+    return parser
+
+
+def main_serve_bench(args: argparse.Namespace) -> int:
+    result = run_serve_bench(
+        get_server_factory(),
+        peer=args.peer,
+        rates=args.rates,
+        num_requests=args.requests,
+        seed=args.seed,
+        modes=[m.strip() for m in args.modes.split(",") if m.strip()],
+        max_tokens=args.max_tokens,
+        peer_python=args.peer_python,
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))  # CLI output, not library logging
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"serving: {result['config']['num_requests']} RAG requests per run")
+    for col in (
+        "rate",
+        "mode",
+        "req/s",
+        "TTFT p50/p95 ms",
+        "e2e p50/p95 ms",
+        "computed",
+        "rej/err",
+    ):
+        table.add_column(col, justify="right")
+    for rate, by_mode in result["per_rate"].items():
+        for mode, s in by_mode.items():
+            frac = s["computed_fraction"]
+            table.add_row(
+                rate,
+                mode,
+                f"{s['throughput_rps']:.3f}",
+                f"{s['ttft_ms_p50']} / {s['ttft_ms_p95']}",
+                f"{s['e2e_ms_p50']} / {s['e2e_ms_p95']}",
+                "-" if frac is None else f"{frac:.3f}",
+                f"{s['num_rejected']}/{s['num_errors']}",
+            )
+    console = Console()
+    console.print(table)
+    console.print(f"chosen rate (highest prefix sustains): {result['chosen_rate']}")
+    for key, value in result.items():
+        if "ratio" in key or key in ("vllm_prefix_cache", "cachecraft_reused_tokens"):
+            console.print(f"{key}: {value}")
+    return 0

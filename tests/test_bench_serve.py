@@ -1,0 +1,155 @@
+"""The serving bench end to end against the fake OpenAI server (our modes and a fake vLLM)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+from fake_openai import MODE_COMPUTED, serve_fake
+
+from cachecraft.bench import serve_bench
+from cachecraft.bench.item import WorkloadItem
+from cachecraft.bench.serve_bench import (
+    get_server_factory,
+    run_serve_bench,
+    set_server_factory,
+    sustained_rate,
+)
+from cachecraft.bench.serve_cli import add_bench_serve_parser, main_serve_bench
+from cachecraft.errors import CachecraftError
+from cachecraft.model.loader import resolve_model_dir
+from cachecraft.request import Chunk, RagRequest
+
+
+@pytest.fixture(scope="module")
+def fake_url() -> Iterator[str]:
+    with serve_fake() as url:
+        yield url
+
+
+def _items() -> list[WorkloadItem]:
+    a, b, c = Chunk("Alpha is a letter."), Chunk("Beta follows alpha."), Chunk("Gamma is third.")
+    return [
+        WorkloadItem("0", RagRequest("first?", [a, b])),
+        WorkloadItem("1", RagRequest("second?", [c])),
+        WorkloadItem("2", RagRequest("first?", [a, b])),  # an exact repeat: a prefix hit
+    ]
+
+
+def _summary(e2e: float | None, rejected: int = 0, errors: int = 0) -> dict:
+    return {"e2e_ms_p50": e2e, "num_rejected": rejected, "num_errors": errors}
+
+
+def test_sustained_rate_is_the_highest_rate_within_the_bound() -> None:
+    per_rate = {
+        "0.1": {"prefix": _summary(100.0)},
+        "0.2": {"prefix": _summary(250.0)},
+        "0.4": {"prefix": _summary(301.0)},
+        "0.8": {"prefix": _summary(200.0, rejected=1)},
+    }
+    rates = [0.4, 0.1, 0.8, 0.2]
+    assert sustained_rate(per_rate, rates, "prefix", latency_bound=3.0) == 0.2
+    assert sustained_rate(per_rate, rates, "prefix", latency_bound=3.1) == 0.4
+    per_rate["0.1"]["prefix"] = _summary(None, errors=3)  # nothing completed at the lowest rate
+    assert sustained_rate(per_rate, rates, "prefix") is None
+
+
+def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
+    @contextmanager
+    def fake_vllm() -> Iterator[SimpleNamespace]:
+        yield SimpleNamespace(
+            base_url=fake_url, model_dir=resolve_model_dir(None), model_name="p", startup_s=1.0
+        )
+
+    modes = ("full", "prefix", "cachecraft")
+    result = run_serve_bench(
+        {m: fake_url for m in modes},
+        peer="vllm",
+        rates=[8.0, 4.0],
+        items=_items(),
+        max_tokens=3,
+        peer_server=fake_vllm,
+    )
+    assert json.loads(json.dumps(result)) == result  # JSON-clean
+    assert result["rates"] == [4.0, 8.0] and set(result["per_rate"]) == {"4", "8"}
+    for by_mode in result["per_rate"].values():
+        assert set(by_mode) == {*modes, "vllm"}
+        for mode in modes:
+            s = by_mode[mode]
+            assert (s["num_completed"], s["num_errors"], s["output_tokens"]) == (3, 0, 9)
+            assert s["computed_fraction"] == pytest.approx(MODE_COMPUTED[mode], abs=0.01)
+        # the repeat hits the fake vLLM's prefix cache; a fresh salt per rate isolates runs
+        cache = by_mode["vllm"]["prefix_cache"]
+        assert 0 < cache["hits"] < cache["queries"] == by_mode["vllm"]["prompt_tokens"]
+    assert result["chosen_rate"] in (4.0, 8.0)
+    at = result["modes"]
+    assert at == result["per_rate"][serve_bench.rate_key(result["chosen_rate"])]
+    cc, prefix, vllm = at["cachecraft"], at["prefix"], at["vllm"]
+    expected = round(prefix["e2e_ms_p50"] / cc["e2e_ms_p50"], 3)
+    assert result["e2e_p50_ratio_prefix_over_cachecraft"] == expected
+    expected = round(cc["throughput_rps"] / vllm["throughput_rps"], 3)
+    assert result["throughput_ratio_vs_vllm"] == expected
+    for key in ("throughput_ratio_vs_prefix", "e2e_p50_ratio_vllm_over_cachecraft"):
+        assert result[key] is not None
+    assert result["vllm_prefix_cache"] == vllm["prefix_cache"]
+    assert result["cachecraft_reused_tokens"] == cc["prompt_tokens"] - cc["computed_tokens"] > 0
+    assert result["peer"] == {"name": "vllm", "startup_s": 1.0}
+
+
+def test_a_fresh_server_per_mode_from_the_factory(fake_url: str) -> None:
+    started: list[str] = []
+
+    @contextmanager
+    def start(mode: str) -> Iterator[str]:
+        started.append(mode)
+        yield fake_url
+
+    result = run_serve_bench(start, rates=[10.0], items=_items()[:2], max_tokens=1)
+    assert started == ["full", "prefix", "cachecraft"]
+    assert "throughput_ratio_vs_vllm" not in result and "vllm_prefix_cache" not in result
+    with pytest.raises(CachecraftError, match="rates"):
+        run_serve_bench(start, rates=[0.0], items=_items())
+    with pytest.raises(CachecraftError, match="peer"):
+        run_serve_bench(start, peer="sglang", items=_items())
+
+
+def test_factory_registry_and_missing_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    def factory(mode: str) -> object:
+        raise AssertionError
+
+    set_server_factory(factory)
+    try:
+        assert get_server_factory() is factory
+    finally:
+        set_server_factory(None)
+    monkeypatch.setitem(sys.modules, "cachecraft.server.launch", None)  # import fails
+    with pytest.raises(CachecraftError, match="server is not available"):
+        get_server_factory()
+
+
+def test_cli_parses_and_prints_json(fake_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_bench_serve_parser(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args(["serve", "--json", "--rates", "20,40", "--requests", "2"])
+    assert (args.rates, args.requests, args.peer, args.json) == ([20.0, 40.0], 2, None, True)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--rates", "fast"])
+
+    @contextmanager
+    def start(mode: str) -> Iterator[str]:
+        yield fake_url
+
+    set_server_factory(start)
+    try:
+        args = parser.parse_args(["serve", "--json", "--rates", "20", "--requests", "2"])
+        assert args.func(args) == 0
+    finally:
+        set_server_factory(None)
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["num_requests"] == 2 and out["chosen_rate"] == 20.0
+    assert main_serve_bench is args.func
