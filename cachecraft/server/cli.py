@@ -1,0 +1,74 @@
+"""`cachecraft serve`: flags map one-to-one to EngineConfig / ServerConfig / StoreConfig fields.
+
+Wire it with `add_serve_parser(subparsers)`; it sets `args.func` to `main_serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from cachecraft.config import MODES
+from cachecraft.engine.engine import EngineConfig
+from cachecraft.server.config import ServerConfig
+from cachecraft.store.config import StoreConfig
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    engine, server, store = EngineConfig(), ServerConfig(), StoreConfig()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="HF dir or GGUF file (default: bundled)")
+    p.add_argument("--mode", default=engine.mode, choices=MODES, help="default reuse mode")
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=[],
+        help="accepted bearer key (repeatable; none given: no auth)",
+    )
+    p.add_argument(
+        "--share-namespace",
+        action="store_true",
+        help="all API keys share one cache namespace (default: one per key)",
+    )
+    p.add_argument("--cache-dir", default="./.cachecraft", help="disk tier ('' to disable)")
+    p.add_argument("--redis-url", default=None, help="shared Redis tier, e.g. redis://host:6379")
+    p.add_argument("--memory-bytes", type=int, default=store.memory_bytes)
+    p.add_argument("--max-queue", type=int, default=engine.max_queue)
+    p.add_argument("--max-running", type=int, default=engine.max_running)
+    p.add_argument("--token-budget", type=int, default=engine.token_budget)
+    p.add_argument("--max-documents", type=int, default=server.max_documents)
+    p.add_argument("--max-document-chars", type=int, default=server.max_document_chars)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=main_serve)
+    return p
+
+
+def main_serve(args: argparse.Namespace) -> int:
+    from cachecraft.server.launch import serve  # heavy imports only when serving
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    cache_dir = args.cache_dir or None
+    if cache_dir is not None:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    serve(
+        args.mode,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        model=args.model,
+        server=ServerConfig(
+            api_keys=tuple(args.api_keys),
+            share_namespace=args.share_namespace,
+            max_documents=args.max_documents,
+            max_document_chars=args.max_document_chars,
+        ),
+        store=StoreConfig(
+            memory_bytes=args.memory_bytes, cache_dir=cache_dir, redis_url=args.redis_url
+        ),
+        engine=EngineConfig(args.token_budget, args.max_running, args.max_queue, args.mode),
+    )
+    return 0

@@ -1,0 +1,259 @@
+"""The HTTP server against the official openai client, on a tiny random Llama (fast).
+
+Live servers on free loopback ports (`start_server`); answers are checked against sequential
+greedy runs of the same model (`answer`), token for token through the text.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from conftest import make_tiny_dir
+
+from cachecraft.config import ReuseConfig
+from cachecraft.engine.answer import answer
+from cachecraft.engine.engine import EngineConfig
+from cachecraft.engine.runner import Runner
+from cachecraft.engine.sampling import SamplingParams
+from cachecraft.model.loader import LoadedModel, load_model
+from cachecraft.request import Chunk, RagRequest
+from cachecraft.server.config import ServerConfig
+from cachecraft.server.launch import start_server
+from cachecraft.store.memory import MemoryStore
+
+CTX = 512
+DOCS = [
+    "Paris is the capital of France and sits on the Seine.",
+    "The Nile flows north through Egypt into the Mediterranean.",
+    "Mount Everest is the highest mountain above sea level.",
+    "Python was created by Guido van Rossum in 1991.",
+]
+LIMITS = ServerConfig(max_documents=4, max_document_chars=400)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny random Llama with a 512-token context (context errors are cheap to hit)."""
+    path = make_tiny_dir(tmp_path_factory.mktemp("tiny-ctx"), max_position_embeddings=CTX)
+    return load_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def url(small: LoadedModel) -> Iterator[str]:
+    with start_server("full", loaded=small, server=LIMITS) as base:
+        yield base
+
+
+def client(base: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+
+
+def question(i: int) -> tuple[str, list[dict[str, str]]]:
+    docs = [{"id": f"d{j}", "text": DOCS[j]} for j in (i % 4, (i + 1) % 4)]
+    return f"What does document {i} say?", docs
+
+
+def reference(small: LoadedModel, i: int, max_tokens: int = 8) -> str:
+    """The sequential greedy answer, one request at a time (the offline path)."""
+    q, docs = question(i)
+    request = RagRequest(q, [Chunk(d["text"], d["id"]) for d in docs])
+    runner = Runner(small, MemoryStore(1 << 30))
+    return answer(runner, request, SamplingParams(max_tokens=max_tokens), "full").text
+
+
+def ask(
+    base: str, i: int, max_tokens: int = 8, **extra: object
+) -> openai.types.chat.ChatCompletion:
+    q, docs = question(i)
+    return client(base).chat.completions.create(
+        model="cachecraft",
+        messages=[{"role": "user", "content": q}],
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"documents": docs, **extra},
+    )
+
+
+def test_chat_with_documents_usage_and_report(url: str, small: LoadedModel) -> None:
+    out = ask(url, 0)
+    assert out.choices[0].message.content == reference(small, 0)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    usage = out.usage
+    assert usage is not None and usage.completion_tokens >= 1
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 0  # mode full reuses nothing
+    report = usage.model_extra["cachecraft"]
+    assert report["mode"] == "full" and report["prompt_tokens"] == usage.prompt_tokens
+    assert [c["label"] for c in report["chunks"]] == ["d0", "d1"]
+
+
+def test_streaming_matches_non_streaming(url: str) -> None:
+    q, docs = question(1)
+    stream = client(url).chat.completions.create(
+        model="cachecraft",
+        messages=[{"role": "user", "content": q}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"documents": docs},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() == ask(url, 1).choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def test_models_and_completions(url: str, small: LoadedModel) -> None:
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == [small.name]
+    out = client(url).completions.create(model=small.name, prompt="Say hello.", max_tokens=4)
+    assert out.usage is not None and out.usage.completion_tokens >= 1
+    assert isinstance(out.choices[0].text, str)
+
+
+def test_metrics_lists_everything(url: str) -> None:
+    ask(url, 2)
+    text = httpx.get(url + "/metrics").text
+    for name in (
+        "cachecraft_requests_total",
+        "cachecraft_ttft_seconds_bucket",
+        "cachecraft_request_latency_seconds_bucket",
+        "cachecraft_prompt_tokens_computed_total",
+        "cachecraft_prompt_tokens_reused_total",
+        "cachecraft_chunk_hits_total",
+        "cachecraft_chunk_misses_total",
+        "cachecraft_store_bytes",
+        "cachecraft_store_evictions",
+        "cachecraft_queue_length",
+    ):
+        assert name in text, name
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+BAD = [
+    ("{not json", 400, "malformed JSON"),
+    ('{"model": "cachecraft"}', 400, "messages"),
+    ('{"model": "cachecraft", "messages": [{"role": "user", "content": 3}]}', 400, "content"),
+    ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "max_tokens": "9"}', 400, "max_tokens"),
+    ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "n": 2}', 400, "n"),
+    ('{"model": "nope", "messages": [{"role": "user", "content": "q"}]}', 404, "nope"),
+    ('{"model": "cachecraft", "messages": [{"role": "user", "content": " "}]}', 400, "question"),
+    ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "cachecraft_mode": "x"}', 400, "cachecraft_mode"),
+    ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "documents": [{"txt": "a"}]}', 400, "documents"),
+    ('[1, 2]', 400, "body"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), BAD)
+def test_bad_input(url: str, body: str, status: int, needle: str) -> None:
+    r = httpx.post(
+        url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_limits_and_context(url: str) -> None:
+    c = client(url)
+    msgs = [{"role": "user", "content": "q"}]
+    with pytest.raises(openai.BadRequestError, match="at most 4"):
+        c.chat.completions.create(
+            model="cachecraft", messages=msgs, extra_body={"documents": [{"text": "x"}] * 5}
+        )
+    with pytest.raises(openai.BadRequestError, match="at most 400"):
+        c.chat.completions.create(
+            model="cachecraft", messages=msgs, extra_body={"documents": [{"text": "x" * 401}]}
+        )
+    long = " ".join(["word"] * 700)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="cachecraft", messages=[{"role": "user", "content": long}])
+    assert f"context is {CTX} tokens" in str(info.value) and "prompt needs" in str(info.value)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-4", prompt="hi")
+    assert ask(url, 3).choices[0].message.content is not None  # still alive
+
+
+def test_concurrent_clients_match_sequential(url: str, small: LoadedModel) -> None:
+    refs = [reference(small, i) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: ask(url, i).choices[0].message.content, range(8)))
+    assert outs == refs
+
+
+def test_cfo_one_answers_like_full(small: LoadedModel) -> None:
+    # float32 storage: the one exact reuse (first chunk) then splices bit-identical K/V
+    forced = ReuseConfig(alpha=1e9, early_termination=False, storage_dtype="float32")
+    with start_server("cachecraft", loaded=small, reuse=forced) as base:
+        r = httpx.post(base + "/v1/chunks", json={"documents": [{"text": t} for t in DOCS]})
+        assert r.status_code == 200 and all(row["stored"] for row in r.json()["data"])
+        for i in range(4):
+            out = ask(base, i)
+            report = out.usage.model_extra["cachecraft"]
+            assert report["mode"] == "cachecraft"
+            assert all(c["is_hit"] for c in report["chunks"]), report
+            # the first chunk sits where it was cached (after the system prompt only): an exact
+            # reuse, CFO 0; every later chunk has a new prefix and is recomputed in full
+            later = report["chunks"][1:]
+            assert all(c["tokens_recomputed"] == c["num_tokens"] for c in later), report
+            assert out.choices[0].message.content == reference(small, i)
+
+
+def test_api_keys_and_namespaces(small: LoadedModel) -> None:
+    keys = ServerConfig(api_keys=("k1", "k2"))
+    with start_server("cachecraft", loaded=small, server=keys) as base:
+        with pytest.raises(openai.AuthenticationError):
+            client(base, "wrong").models.list()
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert len(client(base, "k1").models.list().data) == 1
+        h1, h2 = ({"authorization": f"Bearer {k}"} for k in ("k1", "k2"))
+        body = {"documents": [{"id": "p", "text": DOCS[0]}], "pin": True}
+        row = httpx.post(base + "/v1/chunks", json=body, headers=h1).json()["data"][0]
+        key = row["chunk_key"]
+        assert row["pinned"]
+        listed = httpx.get(base + "/v1/chunks", headers=h1).json()
+        assert [c["chunk_key"] for c in listed["data"]] == [key]
+        assert listed["data"][0]["num_variants"] == 1 and listed["stats"] is not None
+        assert httpx.get(base + "/v1/chunks", headers=h2).json()["data"] == []
+        assert httpx.delete(f"{base}/v1/chunks/{key}", headers=h2).status_code == 404
+        assert httpx.delete(f"{base}/v1/chunks/{key}", headers=h1).json()["num_variants"] >= 1
+        assert httpx.get(base + "/v1/chunks", headers=h1).json()["data"] == []
+
+
+def test_backpressure_and_disconnect(small: LoadedModel) -> None:
+    tight = EngineConfig(token_budget=512, max_running=1, max_queue=1)
+    with start_server("full", loaded=small, engine=tight) as base:
+        body = {
+            "model": "cachecraft",
+            "messages": [{"role": "user", "content": "Count."}],
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.Client(base_url=base, timeout=60) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as stream:
+                lines = stream.iter_lines()
+                assert next(lines).startswith("data: ")  # running now
+                waiter = threading.Thread(target=lambda: ask(base, 0, max_tokens=2))
+                waiter.start()
+                wait_until(lambda: http.get("/health").json()["num_waiting"] == 1)
+                r = http.post("/v1/chat/completions", json={**body, "stream": False})
+                assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            # the stream is closed mid-answer: its request is freed and the waiter runs
+            waiter.join(60)
+            assert not waiter.is_alive()
+            wait_until(lambda: http.get("/health").json()["num_running"] == 0)
+            assert "cachecraft_requests_aborted_total 1.0" in http.get("/metrics").text
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
