@@ -1,0 +1,310 @@
+"""Quality benchmark: every arm (a mode, an ablation or a sweep point) answers the same requests
+in the same order from its own empty chunk store, compared request by request with `full`.
+
+Logits are compared as soon as an arm has answered and then dropped (vocabularies are large).
+Aggregation into the report schema lives in `quality_summary.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from cachecraft.bench.flops import ModelShape, flops_fraction
+from cachecraft.bench.item import WorkloadItem
+from cachecraft.bench.metrics import exact_match, kl_divergence, rouge_l, token_f1
+from cachecraft.bench.quality_summary import summarize_results
+from cachecraft.config import MODES, ReuseConfig
+from cachecraft.engine.answer import Answer, answer
+from cachecraft.engine.runner import Runner
+from cachecraft.engine.sampling import SamplingParams
+from cachecraft.errors import BadRequestError
+from cachecraft.model.loader import LoadedModel
+from cachecraft.reuse.planner import cachecraft_budgets
+from cachecraft.store.memory import MemoryStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STORE_BYTES = 1 << 30
+MATCHED_MODES: tuple[str, ...] = ("random", "cacheblend", "epic")
+"""Modes that take cachecraft's per-request recompute budgets under `match_budget`."""
+
+SWEEP_GRID: dict[str, tuple[str, str, tuple[float, ...]]] = {
+    "cachecraft": ("alpha", "alpha", (0.1, 0.25, 0.5, 1.0, 2.0)),
+    "cacheblend": ("cacheblend_ratio", "ratio", (0.05, 0.15, 0.3, 0.5)),
+    "epic": ("epic_k", "k", (8, 16, 32, 64)),
+}
+"""mode -> (ReuseConfig field, short name, values). `random` sweeps with cachecraft's alphas,
+at the budgets of the cachecraft point of the same alpha."""
+
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "cachecraft-no-et": {"early_termination": False},
+    "cachecraft-one-variant": {"max_variants_per_chunk": 1},
+    "cachecraft-no-order": {"use_order_penalty": False},
+    "cachecraft-paper-empty": {"empty_s_old": "paper"},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """One benchmark column: `mode` run with `config` over its own store.
+
+    budget_from: the cachecraft arm whose per-request budgets this arm takes (None: its own).
+    sweep: (mode, parameter value) when the arm is a sweep point.
+    """
+
+    name: str
+    mode: str
+    config: ReuseConfig
+    budget_from: str | None = None
+    sweep: tuple[str, float] | None = None
+
+
+@dataclass(slots=True)
+class _ArmRun:
+    arm: Arm
+    runner: Runner
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def mode_of(name: str) -> str:
+    """The mode behind an arm name: "epic", "cachecraft-no-et", "random@alpha=0.5" -> its mode."""
+    for mode in sorted(MODES, key=len, reverse=True):
+        if name == mode or name.startswith((f"{mode}-", f"{mode}@")):
+            return mode
+    raise BadRequestError(
+        f"unknown mode {name!r}; choose from {', '.join(MODES)} or an ablation "
+        f"({', '.join(ABLATIONS)})"
+    )
+
+
+def _sweep_arms(
+    modes: Sequence[str],
+    base: ReuseConfig,
+    grid: Mapping[str, Sequence[float]],
+    match_budget: bool,
+) -> list[Arm]:
+    arms = []
+    for mode, values in grid.items():
+        if mode == "random":  # follows cachecraft's alphas (below)
+            continue
+        if mode not in SWEEP_GRID:
+            known = ", ".join([*SWEEP_GRID, "random"])
+            raise BadRequestError(f"no sweep for mode {mode!r}; sweepable: {known}")
+        if mode not in modes:
+            continue
+        fld, short, _ = SWEEP_GRID[mode]
+        for v in values:
+            cfg = replace(base, **{fld: int(v) if fld == "epic_k" else float(v)})
+            arms.append(Arm(f"{mode}@{short}={v:g}", mode, cfg, None, (mode, float(v))))
+    if "random" in modes and "cachecraft" in modes:
+        for a in grid.get("cachecraft", ()):
+            src = f"cachecraft@alpha={a:g}" if match_budget else None
+            cfg = replace(base, alpha=float(a))
+            arms.append(Arm(f"random@alpha={a:g}", "random", cfg, src, ("random", float(a))))
+    return arms
+
+
+def build_arms(
+    modes: Sequence[str],
+    base: ReuseConfig | None = None,
+    *,
+    configs: Mapping[str, ReuseConfig] | None = None,
+    match_budget: bool = True,
+    ablations: bool = False,
+    sweep: bool | Mapping[str, Sequence[float]] = False,
+    include_base: bool = True,
+) -> list[Arm]:
+    """The arms to run, `full` first, then every cachecraft arm, then the rest.
+
+    modes: mode or arm names (ablation names and "mode-anything" names with a `configs` entry
+    are accepted). Under `match_budget`, random/cacheblend/epic take the budgets of the arm
+    "cachecraft", which is added when missing. sweep: True for SWEEP_GRID, or mode -> values.
+    include_base=False keeps only `full` and the sweep points (calibration).
+    """
+    base = base or ReuseConfig()
+    configs = dict(configs or {})
+    names = list(dict.fromkeys(["full", *modes, *(ABLATIONS if ablations else ())]))
+    picked = [mode_of(n) for n in names]
+    needs_source = any(m in MATCHED_MODES for m in picked)
+    if match_budget and include_base and needs_source and "cachecraft" not in names:
+        log.info("adding arm 'cachecraft': random/cacheblend/epic take its budgets")
+        names.append("cachecraft")
+    arms: list[Arm] = []
+    if include_base:
+        for name in names:
+            mode = mode_of(name)
+            cfg = configs.get(name) or replace(base, **ABLATIONS.get(name, {}))
+            src = "cachecraft" if match_budget and mode in MATCHED_MODES else None
+            arms.append(Arm(name, mode, cfg, src))
+    else:
+        arms.append(Arm("full", "full", configs.get("full") or base))
+    if sweep:
+        grid = {m: v[2] for m, v in SWEEP_GRID.items()} if sweep is True else dict(sweep)
+        arms += _sweep_arms([mode_of(n) for n in names], base, grid, match_budget)
+    arms.sort(key=lambda a: (a.mode != "full", a.mode != "cachecraft"))  # stable
+    seen = {a.name for a in arms}
+    if len(seen) != len(arms):
+        raise BadRequestError("an arm name appears twice")
+    for a in arms:
+        if a.budget_from is not None and a.budget_from not in seen:
+            raise BadRequestError(f"arm {a.name} takes budgets from {a.budget_from}, not run")
+    return arms
+
+
+def _compare(item: WorkloadItem, ref: Answer, got: Answer, shape: ModelShape) -> dict[str, Any]:
+    """One arm's numbers on one request; `ref` is the full-recompute answer."""
+    assert ref.forced_logits is not None and got.forced_logits is not None
+    report = got.report
+    layers = (got.rows_last_layer + 1).cpu().numpy()
+    agree = ref.forced_logits.argmax(-1) == got.forced_logits.argmax(-1)
+    chunks = report.chunks
+    return {
+        "id": item.id,
+        "text": got.text,
+        "computed_fraction": report.computed_fraction,
+        "flops_fraction": flops_fraction(
+            shape, got.rows.cpu().numpy(), report.prompt_tokens, layers
+        ),
+        "ttft_ms": report.ttft_ms,
+        "chunk_hit_rate": sum(c.is_hit for c in chunks) / len(chunks) if chunks else None,
+        "rouge_l": rouge_l(got.text, ref.text),
+        "first_token_kl": kl_divergence(ref.first_logits, got.first_logits),
+        "tf_kl": kl_divergence(ref.forced_logits, got.forced_logits),
+        "tf_agreement": float(agree.float().mean()),
+        "f1": token_f1(got.text, item.answers) if item.answers else None,
+        "em": exact_match(got.text, item.answers) if item.answers else None,
+    }
+
+
+def _run_request(
+    runs: list[_ArmRun], item: WorkloadItem, sampling: SamplingParams, shape: ModelShape | None
+) -> None:
+    """All arms on one request; shape None means warm-up (fill the caches, measure nothing)."""
+    measure = shape is not None
+    full, *others = runs
+    ref = answer(full.runner, item.request, sampling, "full", force_answer=measure)
+    budgets: dict[str, list[int | None]] = {}
+    for run in others:
+        arm = run.arm
+        given = budgets[arm.budget_from] if arm.budget_from else None
+        forced = ref.token_ids if measure else None
+        got = answer(run.runner, item.request, sampling, arm.mode, budgets=given, forced=forced)
+        if arm.mode == "cachecraft":
+            budgets[arm.name] = cachecraft_budgets(got.plan)
+        if shape is not None:
+            run.records.append(_compare(item, ref, got, shape))
+        del got
+    if shape is not None:
+        full.records.append(_compare(item, ref, ref, shape))
+
+
+def run_arms(
+    loaded: LoadedModel,
+    items: Sequence[WorkloadItem],
+    arms: Sequence[Arm],
+    *,
+    warmup: int = 20,
+    max_tokens: int = 32,
+    store_bytes: int = DEFAULT_STORE_BYTES,
+    progress: bool = True,
+) -> dict[str, tuple[list[dict[str, Any]], MemoryStore]]:
+    """Run `arms` (full first) over `items`; the first `warmup` requests only fill the caches.
+    Returns arm name -> (per-request records, its store)."""
+    if not arms or arms[0].mode != "full":
+        raise BadRequestError("the first arm must be 'full' (the reference)")
+    if warmup < 0 or max_tokens < 1:
+        raise BadRequestError("warmup must be >= 0 and max_tokens >= 1")
+    if len(items) <= warmup:
+        raise BadRequestError(
+            f"{len(items)} requests with warmup {warmup} leaves nothing to measure"
+        )
+    runs = []
+    for arm in arms:
+        store = MemoryStore(store_bytes, arm.config.max_variants_per_chunk)
+        runs.append(_ArmRun(arm, Runner(loaded, store, arm.config)))
+    shape = ModelShape.from_config(loaded.hf_config)
+    warm = SamplingParams(max_tokens=1)
+    sampling = SamplingParams(max_tokens=max_tokens)
+    bar = tqdm(total=len(items), desc="bench quality", file=sys.stderr, disable=not progress)
+    with torch.inference_mode(), bar:
+        for i, item in enumerate(items):
+            bar.set_postfix_str("warm-up" if i < warmup else item.id[:24])
+            if i < warmup:
+                _run_request(runs, item, warm, None)
+            else:
+                _run_request(runs, item, sampling, shape)
+            bar.update()
+    return {r.arm.name: (r.records, r.runner.store) for r in runs}  # type: ignore[misc]
+
+
+def run_quality(
+    loaded: LoadedModel,
+    items: Sequence[WorkloadItem],
+    modes: Sequence[str] = MODES,
+    *,
+    warmup: int = 20,
+    match_budget: bool = True,
+    max_tokens: int = 32,
+    configs: Mapping[str, ReuseConfig] | None = None,
+    base: ReuseConfig | None = None,
+    ablations: bool = False,
+    sweep: bool | Mapping[str, Sequence[float]] = False,
+    include_base: bool = True,
+    progress: bool = True,
+    workload: str = "workload",
+    store_bytes: int = DEFAULT_STORE_BYTES,
+) -> dict[str, Any]:
+    """Benchmark `modes` (see `build_arms`) on `items`; returns the report-schema dict
+    (bench/report.py) with per-request records under workloads[workload]["requests"]."""
+    base = base or ReuseConfig()
+    arms = build_arms(
+        modes,
+        base,
+        configs=configs,
+        match_budget=match_budget,
+        ablations=ablations,
+        sweep=sweep,
+        include_base=include_base,
+    )
+    log.info("bench quality: %d arms, %d requests (%d warm-up)", len(arms), len(items), warmup)
+    out = run_arms(
+        loaded,
+        items,
+        arms,
+        warmup=warmup,
+        max_tokens=max_tokens,
+        store_bytes=store_bytes,
+        progress=progress,
+    )
+    config = {
+        "model": loaded.name,
+        "workload": workload,
+        "arms": [a.name for a in arms],
+        "requests": len(items),
+        "warmup": warmup,
+        "match_budget": match_budget,
+        "max_tokens": max_tokens,
+        "reuse": asdict(base),
+    }
+    return {"config": config, "workloads": {workload: summarize_results(arms, out)}}
+
+
+def run_sweep(
+    loaded: LoadedModel,
+    items: Sequence[WorkloadItem],
+    grid: Mapping[str, Sequence[float]] | None = None,
+    **kw: Any,
+) -> dict[str, list[dict[str, Any]]]:
+    """Only the sweep points (plus `full`): mode -> [{"param", "computed_fraction", "tf_kl",
+    "rouge_l", ...}] for the modes of `grid` (default SWEEP_GRID; random follows cachecraft)."""
+    grid = dict(grid) if grid is not None else {m: v[2] for m, v in SWEEP_GRID.items()}
+    modes = [*grid, "random"] if "cachecraft" in grid else list(grid)
+    res = run_quality(loaded, items, modes, sweep=grid, include_base=False, **kw)
+    return next(iter(res["workloads"].values()))["sweep"]

@@ -1,0 +1,235 @@
+"""CLI plumbing for `cachecraft bench quality` and `cachecraft calibrate`.
+
+Parses flags (ReuseConfig flags are generated one-to-one from its fields), loads the workload
+and model, calls the library, prints JSON or a table on stdout. Errors: one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from cachecraft.bench.item import WorkloadItem
+from cachecraft.config import MODES, ReuseConfig
+from cachecraft.errors import BadRequestError, CachecraftError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REQUESTS = 60
+"""Requests drawn from a built-in workload when --requests is not given (20 warm the caches)."""
+_SKIP_FIELDS = ("seed",)  # --seed sets both the workload seed and ReuseConfig.seed
+
+
+def add_reuse_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ReuseConfig field (--alpha, --early-termination/--no-early-termination, ...);
+    each defaults to None so only the flags given override the config file."""
+    group = parser.add_argument_group("reuse options (override the config file)")
+    hints = typing.get_type_hints(ReuseConfig)
+    for f in dataclasses.fields(ReuseConfig):
+        if f.name in _SKIP_FIELDS:
+            continue
+        flag, hint = "--" + f.name.replace("_", "-"), hints[f.name]
+        kw: dict[str, Any] = {"dest": f"reuse_{f.name}", "default": None}
+        if hint is not bool:
+            kw["metavar"] = f.name.upper()
+        if hint is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(hint) is typing.Literal:
+            kw["choices"] = typing.get_args(hint)
+        else:
+            kw["type"] = int if int in (hint, *typing.get_args(hint)) else float
+        group.add_argument(flag, help=f"ReuseConfig.{f.name} (default {f.default!r})", **kw)
+
+
+def reuse_config_from_args(args: argparse.Namespace) -> ReuseConfig:
+    """ReuseConfig from the config file (--config or ./cachecraft.json), then the flags."""
+    from cachecraft.bench.calibrate import load_reuse_overrides
+
+    fields = load_reuse_overrides(getattr(args, "config", None))
+    for f in dataclasses.fields(ReuseConfig):
+        value = getattr(args, f"reuse_{f.name}", None)
+        if value is not None:
+            fields[f.name] = value
+    if getattr(args, "seed", None) is not None:
+        fields["seed"] = args.seed
+    return ReuseConfig(**fields)
+
+
+def _add_common_flags(parser: argparse.ArgumentParser, seed: int) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--workload", default="wiki-qa", help="wiki-qa | synthetic | sharegpt | FILE")
+    src.add_argument("--workload-file", default=None, help="a JSONL workload file")
+    parser.add_argument(
+        "--requests", "--limit", dest="requests", type=int, default=None,
+        help=f"requests to use, warm-up included (built-ins: {DEFAULT_REQUESTS}; files: all)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=seed, help="workload and random-mode seed")
+    parser.add_argument("--warmup", type=int, default=20, help="first N requests only warm caches")
+    parser.add_argument("--max-tokens", type=int, default=32, help="greedy answer length")
+    parser.add_argument("--model", default=None, help="HF dir or .gguf (default: bundled)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--config", default=None, help="config file (default ./cachecraft.json)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_reuse_flags(parser)
+
+
+def add_bench_quality_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `quality` to the `bench` subcommands; sets `func`."""
+    p = subparsers.add_parser("quality", help="quality vs computation of every reuse mode")
+    _add_common_flags(p, seed=0)
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes / ablations")
+    p.add_argument(
+        "--match-budget", action=argparse.BooleanOptionalAction, default=True,
+        help="random/cacheblend/epic recompute as many tokens as cachecraft, request by request",
+    )  # fmt: skip
+    p.add_argument("--sweep", action="store_true", help="sweep each mode's recompute budget")
+    p.add_argument("--ablations", action="store_true", help="add the cachecraft ablations")
+    p.add_argument("--out", default=None, help="write results.json, report.md and plots here")
+    p.set_defaults(func=main_bench_quality)
+    return p
+
+
+def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the top-level `calibrate` subcommand; sets `func`."""
+    from cachecraft.bench.calibrate import DEFAULT_ALPHAS
+
+    p = subparsers.add_parser("calibrate", help="pick the smallest alpha reaching a ROUGE-L target")
+    _add_common_flags(p, seed=1)  # seed 1: a different sample from bench's default seed 0
+    p.add_argument("--target", type=float, default=0.9, help="mean ROUGE-L vs full to reach")
+    p.add_argument("--alphas", default=",".join(f"{a:g}" for a in DEFAULT_ALPHAS))
+    p.add_argument(
+        "--write", default=None, help="file to write (default: --config or ./cachecraft.json)"
+    )
+    p.set_defaults(func=main_calibrate)
+    return p
+
+
+def load_items(args: argparse.Namespace) -> tuple[str, list[WorkloadItem]]:
+    """(workload name, items) from --workload / --workload-file and --requests."""
+    from cachecraft.bench.workloads import BUILTIN_WORKLOADS, build_workload, load_workload_file
+
+    if args.requests is not None and args.requests < 1:
+        raise BadRequestError("--requests must be >= 1")
+    if args.workload_file:
+        items = load_workload_file(args.workload_file)
+        return Path(args.workload_file).stem, items[: args.requests] if args.requests else items
+    n = args.requests
+    if args.workload in BUILTIN_WORKLOADS and n is None:
+        n = DEFAULT_REQUESTS
+    items = build_workload(args.workload, n, seed=args.seed)
+    name = args.workload if args.workload in BUILTIN_WORKLOADS else Path(args.workload).stem
+    return name, items
+
+
+def _split(text: str, kind: type) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BadRequestError(f"cannot parse {text!r} as a comma-separated list") from None
+
+
+def _load_model(args: argparse.Namespace) -> Any:
+    from cachecraft.model.loader import load_model
+
+    return load_model(args.model, args.dtype, args.device)
+
+
+def _print_table(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = ("computed_fraction", "flops_fraction", "ttft_ms_p50", "ttft_speedup_vs_full",
+            "rouge_l_vs_full", "tf_kl_vs_full", "tf_agreement_vs_full", "f1_vs_gold")  # fmt: skip
+    table = Table(title=f"bench quality: {summary['workload']} ({summary['model']})")
+    table.add_column("mode")
+    for c in cols:
+        table.add_column(c.replace("_vs_full", "").replace("_", " "), justify="right")
+    for mode, m in summary["modes"].items():
+        table.add_row(mode, *("–" if m[c] is None else f"{m[c]:.3f}" for c in cols))
+    Console().print(table)
+
+
+def _bench_quality(args: argparse.Namespace) -> int:
+    from cachecraft.bench.quality import mode_of, run_quality
+    from cachecraft.bench.quality_summary import flat_summary
+    from cachecraft.bench.report import write_report
+
+    modes = _split(args.modes, str)
+    for m in modes:
+        mode_of(m)  # unknown modes fail before the model loads
+    base = reuse_config_from_args(args)
+    name, items = load_items(args)
+    results = run_quality(
+        _load_model(args), items, modes, warmup=args.warmup, match_budget=args.match_budget,
+        max_tokens=args.max_tokens, base=base, ablations=args.ablations, sweep=args.sweep,
+        progress=not args.no_progress, workload=name,
+    )  # fmt: skip
+    if args.out:
+        paths = write_report(results, Path(args.out))
+        log.info("wrote %s", ", ".join(str(p) for p in paths))
+    summary = flat_summary(results)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_table(summary)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from cachecraft.bench.calibrate import calibration_curve, pick_alpha, write_config
+
+    if not 0 < args.target <= 1:
+        raise BadRequestError(f"--target must be in (0, 1], got {args.target}")
+    alphas = _split(args.alphas, float)
+    if not alphas:
+        raise BadRequestError("--alphas is empty")
+    base = reuse_config_from_args(args)
+    name, items = load_items(args)
+    points = calibration_curve(
+        _load_model(args), items, alphas, warmup=args.warmup, max_tokens=args.max_tokens,
+        base=base, progress=not args.no_progress, workload=name,
+    )  # fmt: skip
+    alpha = pick_alpha({p["param"]: p["rouge_l"] for p in points}, args.target)
+    curve = [{k: p[k] for k in ("param", "rouge_l", "computed_fraction", "tf_kl")} for p in points]
+    reached = any(p["param"] == alpha and (p["rouge_l"] or 0) >= args.target for p in points)
+    path = write_config(
+        args.write or args.config, alpha, target=args.target, reached=reached, workload=name,
+        requests=len(items), warmup=args.warmup, curve=curve,
+    )  # fmt: skip
+    out = {"alpha": alpha, "target": args.target, "reached": reached, "config": str(path)}
+    out["curve"] = curve
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"alpha {alpha:g} (target ROUGE-L {args.target}, reached: {reached}) -> {path}")
+        for p in curve:
+            rouge, frac = p["rouge_l"], p["computed_fraction"]
+            print(f"  alpha {p['param']:<6g} ROUGE-L {rouge:.3f}  computed {frac:.3f}")
+    return 0
+
+
+def _guard(fn: Any, args: argparse.Namespace) -> int:
+    try:
+        return fn(args)
+    except CachecraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def main_bench_quality(args: argparse.Namespace) -> int:
+    return _guard(_bench_quality, args)
+
+
+def main_calibrate(args: argparse.Namespace) -> int:
+    return _guard(_calibrate, args)

@@ -1,0 +1,236 @@
+"""Quality benchmark: JSON keys per mode, full == full, full recompute == full, matched budgets,
+sweeps, ablation arms, calibration on a toy curve, config file, CLI output and errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from cachecraft.bench.calibrate import (
+    add_calibrate_parser,
+    calibrate,
+    load_reuse_overrides,
+    pick_alpha,
+    read_config,
+    write_config,
+)
+from cachecraft.bench.item import WorkloadItem
+from cachecraft.bench.quality import ABLATIONS, build_arms, run_quality
+from cachecraft.bench.quality_cli import add_bench_quality_parser
+from cachecraft.bench.quality_summary import FLAT_KEYS, flat_summary
+from cachecraft.bench.workloads import build_workload, write_workload_file
+from cachecraft.config import MODES, ReuseConfig
+from cachecraft.errors import BadRequestError
+from cachecraft.model.loader import LoadedModel
+from cachecraft.request import Chunk, RagRequest
+
+ISSUE_KEYS = (
+    "computed_fraction",
+    "ttft_ms_p50",
+    "ttft_speedup_vs_full",
+    "rouge_l_vs_full",
+    "first_token_kl_vs_full",
+    "tf_kl_vs_full",
+    "tf_agreement_vs_full",
+    "f1_vs_gold",
+    "em_vs_gold",
+    "n",
+)
+FACTS = [
+    "The Eiffel Tower in Paris was designed by the engineering company of Gustave Eiffel and "
+    "finished in 1889 for the World's Fair.",
+    "The Sydney Opera House, designed by the Danish architect Jorn Utzon, opened in 1973 on "
+    "Bennelong Point in Sydney Harbour.",
+    "The Taj Mahal in Agra was commissioned in 1631 by the Mughal emperor Shah Jahan for the "
+    "tomb of his wife Mumtaz Mahal.",
+    "The Parthenon on the Athenian Acropolis was built in the fifth century BC and was "
+    "designed by the architects Ictinus and Callicrates.",
+]
+ORDERS = [(0, 1, 2), (2, 0, 1), (1, 2, 3), (3, 0, 2)]  # shared chunks in new orders and company
+
+
+def _items(n: int = 4) -> list[WorkloadItem]:
+    out = []
+    for i, order in enumerate(ORDERS[:n]):
+        chunks = [Chunk(FACTS[j], f"fact{j}") for j in order]
+        request = RagRequest(f"Who designed landmark number {i}?", chunks)
+        out.append(WorkloadItem(f"q{i}", request, answers=("Gustave Eiffel",) if i % 2 else None))
+    return out
+
+
+@pytest.fixture(scope="module")
+def all_modes(tiny: LoadedModel) -> dict:
+    return run_quality(tiny, _items(3), MODES, warmup=1, max_tokens=4, progress=False)
+
+
+def test_json_has_every_issue_key_for_every_mode(all_modes: dict) -> None:
+    summary = flat_summary(all_modes)
+    assert set(summary["modes"]) == set(MODES)
+    for mode, m in summary["modes"].items():
+        for key in ISSUE_KEYS:
+            assert key in m, (mode, key)
+        assert m["n"] == 2
+        assert set(m["ci95"]) <= set(FLAT_KEYS)
+    json.dumps(summary)  # JSON-ready
+
+
+def test_full_against_itself(all_modes: dict) -> None:
+    full = flat_summary(all_modes)["modes"]["full"]
+    assert full["tf_kl_vs_full"] == 0.0
+    assert full["first_token_kl_vs_full"] == 0.0
+    assert full["tf_agreement_vs_full"] == 1.0
+    assert full["rouge_l_vs_full"] == 1.0
+    assert full["computed_fraction"] == 1.0
+    assert full["ttft_speedup_vs_full"] == 1.0
+    assert full["f1_vs_gold"] is not None  # one measured request has gold answers
+
+
+def test_matched_budgets_request_by_request(all_modes: dict) -> None:
+    requests = all_modes["workloads"]["workload"]["requests"]
+    ref = [r["computed_fraction"] for r in requests["cachecraft"]]
+    assert any(r["chunk_hit_rate"] for r in requests["cachecraft"]), "no chunk was reused"
+    assert min(ref) < 1.0
+    for mode in ("random", "epic", "cacheblend"):
+        got = [r["computed_fraction"] for r in requests[mode]]
+        assert got == pytest.approx(ref), mode
+    naive = [r["computed_fraction"] for r in requests["naive"]]
+    assert all(n <= c for n, c in zip(naive, ref, strict=True))
+
+
+def test_cachecraft_recomputing_everything_equals_full(tiny: LoadedModel) -> None:
+    cfg = ReuseConfig(alpha=1e6, min_fix=1.0, early_termination=False)
+    res = run_quality(
+        tiny, _items(3), ["cachecraft"], warmup=1, max_tokens=4, configs={"cachecraft": cfg},
+        progress=False,
+    )  # fmt: skip
+    cc = flat_summary(res)["modes"]["cachecraft"]
+    assert cc["chunk_hit_rate"] > 0  # chunks were reused, then recomputed in full
+    assert cc["tf_kl_vs_full"] < 1e-6
+    assert cc["tf_agreement_vs_full"] == 1.0
+
+
+def test_sweep_has_a_point_per_parameter(tiny: LoadedModel) -> None:
+    grid = {"cachecraft": [0.1, 2.0], "epic": [2, 8], "cacheblend": [0.1]}
+    modes = ["cachecraft", "epic", "cacheblend", "random"]
+    res = run_quality(
+        tiny, _items(3), modes, warmup=1, max_tokens=2, sweep=grid, include_base=False,
+        progress=False,
+    )  # fmt: skip
+    sweep = res["workloads"]["workload"]["sweep"]
+    assert {m: [p["param"] for p in pts] for m, pts in sweep.items()} == {
+        "cachecraft": [0.1, 2.0],
+        "epic": [2.0, 8.0],
+        "cacheblend": [0.1],
+        "random": [0.1, 2.0],
+    }
+    for pts in sweep.values():
+        for p in pts:
+            assert {"computed_fraction", "tf_kl", "rouge_l"} <= set(p)
+    cc = sweep["cachecraft"]
+    assert cc[0]["computed_fraction"] <= cc[1]["computed_fraction"]
+    for c, r in zip(cc, sweep["random"], strict=True):  # random at cachecraft's budgets
+        assert r["computed_fraction"] == pytest.approx(c["computed_fraction"])
+
+
+def test_arms_order_ablations_and_budget_source() -> None:
+    arms = build_arms(["random"], ReuseConfig(), ablations=True)
+    names = [a.name for a in arms]
+    assert names[0] == "full" and "cachecraft" in names  # added: random takes its budgets
+    assert names.index("cachecraft") < names.index("random")
+    assert set(ABLATIONS) <= set(names)
+    by_name = {a.name: a for a in arms}
+    assert by_name["random"].budget_from == "cachecraft"
+    assert not by_name["cachecraft-no-et"].config.early_termination
+    assert by_name["cachecraft-one-variant"].config.max_variants_per_chunk == 1
+    assert not by_name["cachecraft-no-order"].config.use_order_penalty
+    assert by_name["cachecraft-paper-empty"].config.empty_s_old == "paper"
+    own = build_arms(["epic"], match_budget=False)
+    assert [a.name for a in own] == ["full", "epic"] and own[1].budget_from is None
+    with pytest.raises(BadRequestError, match="unknown mode"):
+        build_arms(["bogus"])
+
+
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [
+        ("wiki-qa", {"k": 2}),
+        ("synthetic", {"k": 2, "chunk_tokens": (32, 48)}),
+        ("sharegpt", {"chunk_tokens": 48, "max_chunks": 2}),
+    ],
+)
+def test_builtin_workloads_smoke(tiny: LoadedModel, name: str, kw: dict) -> None:
+    items = build_workload(name, 2, **kw)
+    res = run_quality(tiny, items, ["cachecraft"], warmup=1, max_tokens=2, progress=False)
+    assert flat_summary(res)["modes"]["cachecraft"]["n"] == 1
+
+
+def test_calibration_picks_smallest_alpha_reaching_target(caplog) -> None:
+    curve = {0.1: 0.5, 0.25: 0.85, 0.5: 0.91, 1.0: 0.89, 2.0: 0.97}
+    asked = []
+
+    def fake(alphas):
+        asked.append(list(alphas))
+        return {a: curve[a] for a in alphas}
+
+    assert calibrate(None, [], 0.9, list(curve), evaluate=fake) == 0.5
+    assert asked == [list(curve)]
+    assert calibrate(None, [], 0.95, list(curve), evaluate=fake) == 2.0
+    with caplog.at_level(logging.WARNING):
+        assert pick_alpha(curve, 0.99) == 2.0  # none reaches: the largest, with a warning
+    assert "no alpha reached" in caplog.text
+    with pytest.raises(BadRequestError):
+        calibrate(None, [], 1.5, [0.5], evaluate=fake)
+
+
+def test_config_file_roundtrip(tmp_path: Path) -> None:
+    path = tmp_path / "cachecraft.json"
+    path.write_text(json.dumps({"reuse": {"epic_k": 8}, "other": 1}))
+    write_config(path, 0.25, target=0.9)
+    data = read_config(path)
+    assert data["other"] == 1 and data["calibration"] == {"target": 0.9}
+    assert load_reuse_overrides(path) == {"epic_k": 8, "alpha": 0.25}
+    path.write_text(json.dumps({"reuse": {"alpah": 1}}))
+    with pytest.raises(BadRequestError, match="alpah"):
+        load_reuse_overrides(path)
+    path.write_text("{not json")
+    with pytest.raises(BadRequestError, match="not valid JSON"):
+        read_config(path)
+    with pytest.raises(BadRequestError, match="does not exist"):
+        read_config(tmp_path / "missing.json")
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="cachecraft")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_quality_parser(sub.add_parser("bench").add_subparsers(dest="bench"))
+    add_calibrate_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_json_out_and_errors(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    wl = write_workload_file(_items(3), tmp_path / "wl.jsonl")
+    cfg = tmp_path / "cfg.json"
+    common = ["--workload-file", str(wl), "--model", str(tiny_dir), "--config", str(cfg)]
+    common += ["--warmup", "1", "--max-tokens", "2", "--no-progress"]
+    cfg.write_text(json.dumps({"reuse": {"alpha": 0.3}}))
+    out_dir = tmp_path / "out"
+    rc = _cli(
+        ["bench", "quality", *common, "--modes", "full,epic", "--out", str(out_dir), "--json"]
+    )
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert set(summary["modes"]) == {"full", "cachecraft", "epic"}
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["config"]["reuse"]["alpha"] == 0.3  # read from the config file
+    assert (out_dir / "report.md").exists() and list(out_dir.glob("*.png"))
+
+    assert _cli(["bench", "quality", *common, "--modes", "full,bogus"]) == 2
+    assert _cli(["bench", "quality", "--workload-file", str(tmp_path / "nope.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+    assert "bogus" in err[0] and "nope.jsonl" in err[1]
