@@ -53,6 +53,15 @@ def test_server_that_dies_reports_its_log_tail(tmp_path: Path) -> None:
     assert server.port is None and server.log_path is None  # stopped and cleaned up
 
 
+def test_unrunnable_interpreter_is_a_peer_error(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text("not a program")  # exists, not executable
+    server = VllmServer(tmp_path, python=fake)
+    with pytest.raises(PeerError, match="cannot run"):
+        server.start()
+    assert server.log_path is None
+
+
 def test_command_has_the_fair_comparison_settings(tmp_path: Path) -> None:
     server = VllmServer(tmp_path, python="py")
     server.port = 1234

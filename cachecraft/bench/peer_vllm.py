@@ -134,17 +134,20 @@ class VllmServer:
         env.pop("PYTHONPATH", None)  # never leak our venv's packages into the peer
         logger.info("starting vLLM on port %d (log %s)", self.port, self.log_path)
         t0 = time.perf_counter()
-        with self.log_path.open("wb") as log:  # type: ignore[union-attr]
-            self._proc = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self._tmp,
-                start_new_session=True,
-            )
         try:
+            with self.log_path.open("wb") as log:  # type: ignore[union-attr]
+                self._proc = subprocess.Popen(
+                    self.command(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=self._tmp,
+                    start_new_session=True,
+                )
             self._wait_healthy()
+        except OSError as e:  # the interpreter itself could not be run
+            self.stop()
+            raise PeerError(f"cannot run {self.python}: {e}") from None
         except BaseException:
             self.stop()
             raise
