@@ -232,7 +232,7 @@ def test_backpressure_and_disconnect(small: LoadedModel) -> None:
         body = {
             "model": "cachecraft",
             "messages": [{"role": "user", "content": "Count."}],
-            "max_tokens": 400,
+            "max_tokens": 5000,  # clamped to the context left: ~480 tokens
             "ignore_eos": True,
             "stream": True,
         }
