@@ -29,7 +29,11 @@ lint: setup
 	$(BIN)/ruff format --check cachecraft tests
 
 demo: setup
-	$(BIN)/cachecraft ask --question "In one sentence, what is a KV cache?"
+	$(BIN)/cachecraft ask --doc examples/docs/eiffel.txt --doc examples/docs/everest.txt \
+		--question "When was the Eiffel Tower completed?"
+
+serve: setup
+	$(BIN)/cachecraft serve --host 127.0.0.1 --port 8000 --cache-dir ./.cachecraft
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -32,10 +32,10 @@ BENCH_PARSERS = (
 def _register(subparsers: argparse._SubParsersAction, entries: tuple) -> None:
     for module_name, function in entries:
         try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError:
-            continue
-        getattr(module, function)(subparsers)
+            add = getattr(importlib.import_module(module_name), function)
+        except (ModuleNotFoundError, AttributeError):
+            continue  # that subcommand is not built in this checkout
+        add(subparsers)
 
 
 def _ask(args: argparse.Namespace) -> int:

@@ -33,15 +33,24 @@ def causal_attention(
 
     Returns [H, n, D].
     """
-    n, ctx = q.shape[1], k.shape[1]
-    k, v = _expand_kv(k, q.shape[0])[None], _expand_kv(v, q.shape[0])[None]
+    num_heads, n, head_dim = q.shape
+    num_kv, ctx = k.shape[0], k.shape[1]
+    group = num_heads // num_kv
     needs_window = window is not None and ctx > window
     if not needs_window and n == ctx:
         # q_pos == 0..ctx-1: plain causal (top-left aligned == exact here since n == ctx).
+        k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
         return F.scaled_dot_product_attention(q[None], k, v, is_causal=True)[0]
-    if not needs_window and n == 1:
-        return F.scaled_dot_product_attention(q[None], k, v)[0]
     mask = _mask(q_pos, ctx, window if needs_window else None)
+    if group * n <= ctx:
+        # Few rows (decode, partial prefill): fold the query heads of each KV group into rows
+        # instead of copying K/V per head; head h reads KV head h // group.
+        qg = q.reshape(num_kv, group * n, head_dim)
+        out = F.scaled_dot_product_attention(
+            qg[None], k[None], v[None], attn_mask=mask.repeat(group, 1)
+        )
+        return out[0].reshape(num_heads, n, head_dim)
+    k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
     return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask)[0]
 
 

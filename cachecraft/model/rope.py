@@ -46,7 +46,10 @@ class Rope:
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [..., n, head_dim] with precomputed cos, sin [n, head_dim]."""
-        return x * cos + _rotate_half(x) * sin
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        c, s = cos[..., :half], sin[..., :half]  # both halves of the tables are equal
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inverse of `rotate`: x [..., n, head_dim] rotated at `positions` -> before RoPE."""
