@@ -66,7 +66,8 @@ class LLM:
     ) -> None:
         self.loaded = load_model(model, dtype, device)
         self.config = reuse_config(**reuse)
-        store = store or MemoryStore(DEFAULT_STORE_BYTES, self.config.max_variants_per_chunk)
+        if store is None:  # not `or`: an empty store is falsy (it has __len__)
+            store = MemoryStore(DEFAULT_STORE_BYTES, self.config.max_variants_per_chunk)
         self.runner = Runner(self.loaded, store, self.config)
 
     @property

@@ -17,6 +17,7 @@ import torch
 
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.engine.hooks import DeviationSelect, EarlyTermination
+from cachecraft.engine.layer_loader import LayerLoader
 from cachecraft.engine.prefix_cache import PrefixCache
 from cachecraft.engine.report import ChunkReport, RequestReport
 from cachecraft.errors import BadRequestError
@@ -29,6 +30,8 @@ from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
 from cachecraft.reuse.planner import plan_request
 from cachecraft.reuse.stats import cci
 from cachecraft.store.base import ChunkStore
+from cachecraft.store.codec import CorruptVariantError
+from cachecraft.store.layers import TensorLayerReader
 from cachecraft.store.meta import VariantMeta
 from cachecraft.store.variant import Variant
 
@@ -46,6 +49,7 @@ class PrefillJob:
     prefix_computed: bool
     t_start: float
     early_exit: EarlyTermination | None = None
+    loader: LayerLoader | None = None
 
 
 @dataclass(slots=True)
@@ -70,7 +74,7 @@ class Runner:
         self.loaded = loaded
         self.store = store
         self.reuse = reuse or ReuseConfig()
-        self.prefix_cache = prefix_cache or PrefixCache()
+        self.prefix_cache = PrefixCache() if prefix_cache is None else prefix_cache
         self.storage_dtype = DTYPES[self.reuse.storage_dtype]
 
     # ---- planning -------------------------------------------------------------------------
@@ -105,8 +109,9 @@ class Runner:
         else:
             rows.extend(range(layout.prefix_len))
         chunks = []
+        loader = LayerLoader(kv, self.loaded.model.rope)
         for cp in plan.chunks:
-            cp = self._splice(kv, cp)
+            cp = self._splice(loader, cp)
             chunks.append(cp)
             start = cp.slot.start
             if cp.variant is None or cp.deviation_budget is not None:
@@ -118,22 +123,28 @@ class Runner:
         positions = torch.tensor(rows, dtype=torch.long)
         ids = torch.tensor(layout.token_ids, dtype=torch.long)[positions]
         work = SeqWork(kv, ids, positions)
-        job = PrefillJob(plan, kv, work, positions, prefix is None, t0)
+        if loader.num_readers:
+            work.before_layer = loader.fill_layer
+        job = PrefillJob(plan, kv, work, positions, prefix is None, t0, loader=loader)
         self._add_stats(job)
         self._add_hooks(job)
         return job
 
-    def _splice(self, kv: KVCache, cp: ChunkPlan) -> ChunkPlan:
+    def _splice(self, loader: LayerLoader, cp: ChunkPlan) -> ChunkPlan:
+        """Queue the chunk's variant for layer-wise loading; a missing one becomes a miss."""
         if cp.variant is None:
             return cp
-        variant = self.store.load(cp.variant.variant_id)
-        if variant is None:
-            log.warning("variant %s vanished; computing chunk in full", cp.variant.variant_id)
+        variant_id = cp.variant.variant_id
+        open_layers = getattr(self.store, "open_layers", None)
+        if open_layers is not None:
+            reader = open_layers(variant_id)
+        else:
+            variant = self.store.load(variant_id)
+            reader = None if variant is None else TensorLayerReader(variant.keys, variant.values)
+        if reader is None:
+            log.warning("variant %s vanished; computing chunk in full", variant_id)
             return ChunkPlan(slot=cp.slot, variant=None, recompute=tuple(range(cp.slot.num_tokens)))
-        dtype, device = kv.k.dtype, kv.k.device
-        positions = torch.arange(cp.slot.start, cp.slot.end, device=device)
-        keys = self.loaded.model.rope.rotate(variant.keys.to(device, dtype), positions)
-        kv.write(cp.slot.start, keys, variant.values.to(device, dtype))
+        loader.add(reader, cp.slot.start, cp.slot.end)
         return cp
 
     def _add_stats(self, job: PrefillJob) -> None:
@@ -178,6 +189,8 @@ class Runner:
 
     # ---- after the forward ----------------------------------------------------------------
     def finish(self, job: PrefillJob, result: SeqResult) -> PrefillOutcome:
+        if job.loader is not None:
+            job.loader.close()
         plan, layout = job.plan, job.plan.layout
         top = self.loaded.arch.num_layers - 1
         last = result.rows_last_layer
@@ -286,8 +299,20 @@ class Runner:
         budgets: list[int | None] | None = None,
         extra_capacity: int = 0,
     ) -> tuple[PrefillJob, PrefillOutcome]:
-        """plan + start + forward + finish for one request (no commit)."""
+        """plan + start + forward + finish for one request (no commit). A chunk-cache found
+        corrupt while its layers are read is dropped by the store; the request is then planned
+        again (that chunk becomes a miss), never served from bad bytes."""
         t0 = time.perf_counter()
-        job = self.start(self.plan(request, mode, budgets), extra_capacity, t0)
-        result = self.loaded.model.forward_step([job.work])[0]
-        return job, self.finish(job, result)
+        for attempt in range(2):
+            job = self.start(self.plan(request, mode, budgets), extra_capacity, t0)
+            try:
+                result = self.loaded.model.forward_step([job.work])[0]
+            except CorruptVariantError:
+                if job.loader is not None:
+                    job.loader.close()
+                if attempt:
+                    raise
+                log.warning("a chunk-cache was corrupt; planning the request again")
+                continue
+            return job, self.finish(job, result)
+        raise AssertionError("unreachable")

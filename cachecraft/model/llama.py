@@ -131,6 +131,9 @@ class LlamaModel:
         ids = torch.cat([w.token_ids for w in works]).to(self.device)
         h = F.embedding(ids, self.embed)
         for layer_idx, weights in enumerate(self.layers):
+            for w in works:
+                if w.before_layer is not None:
+                    w.before_layer(layer_idx)
             h = self._compact(h, states, layer_idx)
             h = self._layer(h, states, layer_idx, weights)
         return self._finish(h, states)

@@ -51,6 +51,8 @@ class SeqWork:
     span_bounds [S, 2]: if given, collect attention mass per span (see SeqResult) for the rows
     selected by stats_rows (bool [n]; None: all rows). Only those rows pay for explicit scores.
     hooks: layer -> Hook; hooks_need_old: also pass the K/V the write replaced.
+    before_layer(l): called before layer l runs, to fill given K/V of that layer just in time
+    (layer-wise loading of chunk-caches overlaps with the compute of the layer before).
     logits_for: "last" (the last row), "all" rows, or "none".
     """
 
@@ -62,6 +64,7 @@ class SeqWork:
     stats_rows: torch.Tensor | None = None
     hooks: dict[int, Hook] = field(default_factory=dict)
     hooks_need_old: bool = False
+    before_layer: Callable[[int], None] | None = None
     logits_for: str = "last"
 
 
