@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from redis_server import RedisServer
+from cachecraft.store.redis_server import RedisServer
 from store_helpers import make_variant
 
 from cachecraft.store import codec
@@ -125,7 +125,7 @@ def test_redis_killed_mid_run_then_restarted(server: RedisServer, tmp_path: Path
 
 
 def test_unreachable_redis_from_the_start(tmp_path: Path) -> None:
-    from redis_server import free_port
+    from cachecraft.store.redis_server import free_port
 
     store = redis_store(f"redis://127.0.0.1:{free_port()}/0", cache_dir=str(tmp_path))
     v = make_variant("a")

@@ -1,4 +1,4 @@
-"""A throwaway redis-server on 127.0.0.1 for the Redis tier tests (no persistence)."""
+"""A throwaway redis-server on 127.0.0.1 (no persistence) for tests and the store benchmark."""
 
 from __future__ import annotations
 
