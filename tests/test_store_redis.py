@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cachecraft.store.redis_server import RedisServer
 from store_helpers import make_variant
 
 from cachecraft.store import codec
 from cachecraft.store.config import StoreConfig
+from cachecraft.store.redis_server import RedisServer
 from cachecraft.store.store import TieredStore
 
 SIZE = 512
