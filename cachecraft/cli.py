@@ -25,7 +25,7 @@ TOP_LEVEL_PARSERS = (
 BENCH_PARSERS = (
     ("cachecraft.bench.quality_cli", "add_bench_quality_parser"),
     ("cachecraft.bench.store_bench", "add_bench_store_parser"),
-    ("cachecraft.bench.serve_bench", "add_bench_serve_parser"),
+    ("cachecraft.bench.serve_cli", "add_bench_serve_parser"),
 )
 
 

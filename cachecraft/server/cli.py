@@ -42,13 +42,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--token-budget", type=int, default=engine.token_budget)
     p.add_argument("--max-documents", type=int, default=server.max_documents)
     p.add_argument("--max-document-chars", type=int, default=server.max_document_chars)
+    p.add_argument("--config", default=None, help="calibration file (default ./cachecraft.json)")
+    p.add_argument("--alpha", type=float, default=None, help="override the CFO alpha")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=main_serve)
     return p
 
 
 def main_serve(args: argparse.Namespace) -> int:
+    from cachecraft.bench.calibrate import load_reuse_overrides
+    from cachecraft.llm import reuse_config
     from cachecraft.server.launch import serve  # heavy imports only when serving
+
+    overrides = load_reuse_overrides(args.config)
+    if args.alpha is not None:
+        overrides["alpha"] = args.alpha
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     cache_dir = args.cache_dir or None
@@ -60,6 +68,7 @@ def main_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         model=args.model,
+        reuse=reuse_config(**overrides),
         server=ServerConfig(
             api_keys=tuple(args.api_keys),
             share_namespace=args.share_namespace,
