@@ -54,51 +54,45 @@ def causal_attention(
     return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask)[0]
 
 
-def _span_sums(probs: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """probs [m, ctx], bounds [S, 2] (start, end) clipped to ctx -> mass per span [m, S]."""
-    csum = F.pad(probs.cumsum(-1), (1, 0))
-    return csum[:, bounds[:, 1]] - csum[:, bounds[:, 0]]
-
-
-def attention_with_span_mass(
+def row_span_mass(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
     q_pos: torch.Tensor,
     bounds: torch.Tensor,
     window: int | None,
-    block: int = 256,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Explicit attention, block of rows at a time, so one layer's scores never all exist.
+    block: int = 512,
+) -> torch.Tensor:
+    """Per row, the head-averaged attention probability summed over each span's keys.
 
-    q [H, n, D]; k, v [Hkv, ctx, D]; bounds [S, 2] absolute (start, end) of each span.
-    Returns out [H, n, D] and mass [n, S]: per row, the head-averaged attention probability
-    summed over each span's key positions.
+    q [H, n, D] at sorted positions q_pos; k [Hkv, ctx, D]; bounds [S, 2] absolute (start, end).
+    Returns [n, S]. Scores exist for one block of rows at a time and only up to the block's
+    last position (the causal part), so one layer's score matrix never exists whole.
     """
     num_heads, n, head_dim = q.shape
-    ctx = k.shape[1]
-    kk, vv = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
-    clipped = bounds.clamp(max=ctx)
-    out = torch.empty_like(q)
+    num_kv = k.shape[0]
+    group = num_heads // num_kv
+    full_ctx = int(q_pos[-1]) + 1
+    # onehot[m, s] = 1 if key position m lies in span s: span sums become one small GEMM.
+    starts = bounds[:, 0].contiguous()
+    span_of = torch.bucketize(torch.arange(full_ctx, device=q.device), starts, right=True) - 1
+    inside = (span_of >= 0) & (torch.arange(full_ctx, device=q.device) < bounds[span_of, 1])
+    onehot = torch.zeros((full_ctx, bounds.shape[0]), dtype=torch.float32, device=q.device)
+    onehot[inside, span_of[inside]] = 1.0
     mass = torch.empty((n, bounds.shape[0]), dtype=torch.float32, device=q.device)
     scale = head_dim**-0.5
     for a in range(0, n, block):
         b = min(n, a + block)
-        scores = torch.matmul(q[:, a:b], kk.transpose(1, 2)) * scale  # [H, nb, ctx]
-        scores = scores.masked_fill(~_mask(q_pos[a:b], ctx, window), float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1)
-        out[:, a:b] = torch.matmul(probs.to(vv.dtype), vv)
-        mass[a:b] = _span_sums(probs.mean(0), clipped)
-    return out, mass
+        ctx = int(q_pos[b - 1]) + 1
+        qb = (q[:, a:b] * scale).reshape(num_kv, group * (b - a), head_dim)  # heads per KV group
+        scores = torch.matmul(qb, k[:, :ctx].transpose(1, 2)).view(num_heads, b - a, ctx).float()
+        scores.masked_fill_(~_mask(q_pos[a:b], ctx, window), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [H, nb, ctx]
+        mass[a:b] = torch.matmul(probs, onehot[:ctx]).mean(0)
+    return mass
 
 
 def span_mass(
     q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, bounds: torch.Tensor, window: int | None
 ) -> torch.Tensor:
     """Mean over rows and heads of the attention mass rows put on each span: q [H, m, D] -> [S]."""
-    num_heads, _, head_dim = q.shape
-    kk = _expand_kv(k, num_heads)
-    scores = torch.matmul(q, kk.transpose(1, 2)) * head_dim**-0.5
-    scores = scores.masked_fill(~_mask(q_pos, k.shape[1], window), float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).mean(0)  # [m, ctx]
-    return _span_sums(probs, bounds.clamp(max=k.shape[1])).mean(0)
+    return row_span_mass(q, k, q_pos, bounds, window).mean(0)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.arch import ModelArch
-from cachecraft.model.attention import attention_with_span_mass, causal_attention
+from cachecraft.model.attention import causal_attention, row_span_mass
 from cachecraft.model.rope import Rope
 from cachecraft.model.step import LayerView, SeqResult, SeqWork
 
@@ -196,21 +196,11 @@ class LlamaModel:
         keys = kv_k[:, : last + 1].to(q.dtype)
         values = kv_v[:, : last + 1].to(q.dtype)
         window = self.arch.sliding_window
-        if work.span_bounds is None:
-            out = causal_attention(q, keys, values, pos, window)
-        elif bool(s.stats_rows.all()):
-            out, mass = attention_with_span_mass(q, keys, values, pos, work.span_bounds, window)
-            self._collect(s, s.index, layer_idx, mass)
-        else:
-            out = causal_attention(q, keys, values, pos, window)
+        out = causal_attention(q, keys, values, pos, window)
+        if work.span_bounds is not None and bool(s.stats_rows.any()):
             sel = s.stats_rows
-            if bool(sel.any()):
-                bounds = work.span_bounds
-                out_sel, mass = attention_with_span_mass(
-                    q[:, sel], keys, values, pos[sel], bounds, window
-                )
-                out[:, sel] = out_sel
-                self._collect(s, s.index[sel], layer_idx, mass)
+            mass = row_span_mass(q[:, sel], keys, pos[sel], work.span_bounds, window)
+            self._collect(s, s.index[sel], layer_idx, mass)
         if hook is not None:
             view = LayerView(layer_idx, pos, q, k, v, k_old, v_old, keys, window)
             keep = hook(view)
