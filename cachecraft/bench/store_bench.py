@@ -233,6 +233,18 @@ def add_bench_store_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     parser.add_argument("--requests-per-phase", type=int, default=TraceConfig().requests_per_phase)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hot-mass-per", choices=("request", "chunk"), default="request")
+    parser.add_argument(
+        "--no-ttft",
+        dest="ttft",
+        action="store_false",
+        help="skip the time-to-first-token part (it loads the bundled model)",
+    )
+    parser.add_argument("--ttft-repeats", type=int, default=5)
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis for the TTFT part (default: start a local redis-server if installed)",
+    )
     parser.set_defaults(func=main_store_bench)
     return parser
 
@@ -244,6 +256,8 @@ def main_store_bench(args: argparse.Namespace) -> int:
         hot_mass_per=getattr(args, "hot_mass_per", "request"),
     )
     result = run_store_bench(cfg)
+    if getattr(args, "ttft", False):
+        result["ttft_ms"] = _tier_ttft(args)
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2))  # CLI output, not library logging
         return 0
@@ -262,4 +276,30 @@ def main_store_bench(args: argparse.Namespace) -> int:
     console = Console()
     console.print(table)
     console.print(f"savings ratio value vs lru: {result.get('savings_ratio_value_vs_lru')}")
+    for tier, row in result.get("ttft_ms", {}).items():
+        console.print(f"TTFT {tier}: {row}")
     return 0
+
+
+def _tier_ttft(args: argparse.Namespace) -> dict[str, object]:
+    """TTFT per tier on the first request of the sample workload (bundled model)."""
+    import shutil
+    from pathlib import Path
+
+    from cachecraft.bench.tier_ttft import run_tier_ttft
+    from cachecraft.bench.workloads import load_workload_file
+    from cachecraft.model.loader import load_model
+    from cachecraft.store.redis_server import RedisServer
+
+    sample = Path(__file__).resolve().parents[2] / "examples" / "wiki_qa_sample.jsonl"
+    request = load_workload_file(sample)[0].request
+    server = None
+    url = args.redis_url
+    if url is None and shutil.which("redis-server"):
+        server = RedisServer().start()
+        url = server.url
+    try:
+        return run_tier_ttft(load_model(), request, args.ttft_repeats, url)
+    finally:
+        if server is not None:
+            server.stop()
