@@ -27,6 +27,7 @@ from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel
 from cachecraft.reuse.planner import cachecraft_budgets
+from cachecraft.store.base import ChunkStore
 from cachecraft.store.memory import MemoryStore
 
 log = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ def run_arms(
     max_tokens: int = 32,
     store_bytes: int = DEFAULT_STORE_BYTES,
     progress: bool = True,
-) -> dict[str, tuple[list[dict[str, Any]], MemoryStore]]:
+) -> dict[str, tuple[list[dict[str, Any]], ChunkStore]]:
     """Run `arms` (full first) over `items`; the first `warmup` requests only fill the caches.
     Returns arm name -> (per-request records, its store)."""
     if not arms or arms[0].mode != "full":
@@ -241,7 +242,7 @@ def run_arms(
             else:
                 _run_request(runs, item, sampling, shape)
             bar.update()
-    return {r.arm.name: (r.records, r.runner.store) for r in runs}  # type: ignore[misc]
+    return {r.arm.name: (r.records, r.runner.store) for r in runs}
 
 
 def run_quality(
@@ -262,7 +263,11 @@ def run_quality(
     store_bytes: int = DEFAULT_STORE_BYTES,
 ) -> dict[str, Any]:
     """Benchmark `modes` (see `build_arms`) on `items`; returns the report-schema dict
-    (bench/report.py) with per-request records under workloads[workload]["requests"]."""
+    (bench/report.py) with per-request records under workloads[workload]["requests"].
+
+    base: the ReuseConfig of every arm; configs: arm name -> its own ReuseConfig instead.
+    Every arm starts from an empty store; the first `warmup` requests are left out.
+    """
     base = base or ReuseConfig()
     arms = build_arms(
         modes,
