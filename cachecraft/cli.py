@@ -10,8 +10,15 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
+
+# The one environment variable cachecraft sets, before torch loads OpenMP: with the default
+# (active) waiting, OpenMP workers spin between parallel regions and starve our other threads
+# (layer read-ahead, the server's step loop); on a shared 2-core machine that made a reuse
+# request 5x slower and a full prefill 1.5x slower (README, "Threads").
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from cachecraft.config import MODES
 from cachecraft.errors import CachecraftError
