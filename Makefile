@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 
 test: setup
 	$(BIN)/ruff check cachecraft tests
-	$(BIN)/python -m pytest
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest
 
 lint: setup
 	$(BIN)/ruff check cachecraft tests
