@@ -240,6 +240,9 @@ class Engine:
             live = self._live[rid]
             assert live.plan is not None and live.state is not None
             try:
+                # Plan again now: variants stored while this request waited (by requests
+                # admitted before it) become hits. Metadata only, so cheap.
+                live.plan = self.runner.plan(live.request, live.mode, live.budgets)
                 live.job = self.runner.start(live.plan, live.state.max_tokens, live.t_submit)
             except Exception as e:
                 self._fail(rid, e)
