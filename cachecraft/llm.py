@@ -7,19 +7,17 @@ through the same planner and runner.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 import torch
 
 from cachecraft.config import ReuseConfig
-from cachecraft.engine.generate import decode
+from cachecraft.engine.answer import answer
 from cachecraft.engine.report import RequestReport
 from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import load_model
-from cachecraft.model.step import SeqWork
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.memory import MemoryStore
@@ -106,34 +104,14 @@ class LLM:
         forced: list[int] | None,
         keep_logits: bool,
     ) -> RequestOutput:
-        model, tok = self.loaded.model, self.loaded.tokenizer
-        extra = sampling.max_tokens + (len(forced) if forced else 0)
-        t0 = time.perf_counter()
-        job, outcome = self.runner.prefill(request, mode, budgets, extra_capacity=extra)
-        tokens = decode(model, job.kv, outcome.first_logits, sampling, self.loaded.eos_token_ids)
-        first = next(tokens)
-        outcome.report.ttft_ms = 1000 * (time.perf_counter() - t0)
-        tf_logits = None
-        if forced:
-            # Forced tokens go after the prompt; decoding then rewrites those positions.
-            n = outcome.report.prompt_tokens
-            pos = torch.arange(n, n + len(forced))
-            work = SeqWork(job.kv, torch.tensor(forced), pos, logits_for="all")
-            step = model.forward_step([work])[0].logits
-            tf_logits = torch.cat([outcome.first_logits[None], step[:-1]])
-            job.kv.length = n
-        ids = [first, *tokens]
-        self.runner.commit(outcome)
-        eos = set(self.loaded.eos_token_ids) | set(sampling.stop_token_ids)
-        stopped = ids[-1] in eos and not sampling.ignore_eos
-        text_ids = ids[:-1] if stopped else ids
+        a = answer(self.runner, request, sampling, mode, budgets=budgets, forced=forced)
         return RequestOutput(
-            text=tok.decode(text_ids, skip_special_tokens=True).strip(),
-            token_ids=ids,
-            finish_reason="stop" if stopped else "length",
-            report=outcome.report,
-            first_token_logits=outcome.first_logits if keep_logits else None,
-            teacher_forced_logits=tf_logits,
+            text=a.text,
+            token_ids=a.token_ids,
+            finish_reason=a.finish_reason,
+            report=a.report,
+            first_token_logits=a.first_logits if keep_logits else None,
+            teacher_forced_logits=a.forced_logits,
         )
 
     def precompute(

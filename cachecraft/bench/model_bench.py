@@ -1,17 +1,22 @@
 """`cachecraft bench model`: our prefill vs HF transformers' forward, side by side in one run.
 
 Also checks fidelity: max abs logit difference (fp32) and 32 greedy tokens vs HF `generate`.
+Peak memory of one prefill is measured in a fresh subprocess per (implementation, length), so
+neither side inherits the other's freed allocations: `python -m cachecraft.bench.model_bench`.
 """
 
 from __future__ import annotations
 
+import json
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
 import torch
 
-from cachecraft.bench.memory import peak_rss
 from cachecraft.engine.generate import decode
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.model.kv import KVCache
@@ -33,15 +38,54 @@ def _ours_prefill(m: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     return m.model.forward_step([SeqWork(kv, ids, torch.arange(len(ids)))])[0].logits
 
 
-def _time(fn: Any, repeats: int) -> tuple[float, int]:
+def _time(fn: Any, repeats: int) -> float:
     fn()  # warm-up
     times = []
-    with peak_rss() as mem:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times), mem.peak_delta_bytes
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def peak_prefill_bytes(kind: str, n: int, spec: str | None = None) -> int:
+    """Peak RSS growth of one prefill of n tokens (`ours` or `hf`), after the model loaded and
+    one short warm-up prefill (one-time library and allocator set-up is not counted)."""
+    from cachecraft.model.loader import load_model
+
+    m = load_model(spec)
+    ids, warm = _prompt_ids(m, n), _prompt_ids(m, 32)
+    if kind == "hf":
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(m.source, dtype=torch.float32).eval()
+        del m.model  # only HF's weights stay resident
+
+        def run(x: torch.Tensor) -> None:
+            with torch.inference_mode():
+                hf(x[None])
+    else:
+
+        def run(x: torch.Tensor) -> None:
+            _ours_prefill(m, x)
+
+    run(warm)
+    base = _max_rss_bytes()
+    run(ids)
+    return _max_rss_bytes() - base
+
+
+def _peak_in_subprocess(kind: str, n: int, spec: str | None) -> int | None:
+    cmd = [sys.executable, "-m", "cachecraft.bench.model_bench", kind, str(n)]
+    cmd += [spec] if spec else []
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return None
+    return int(json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"])
 
 
 def run_model_bench(
@@ -68,8 +112,11 @@ def run_model_bench(
     for n in lengths:
         ids = _prompt_ids(m, n)
         with torch.inference_mode():
-            t_hf, mem_hf = _time(lambda ids=ids: hf(ids[None]).logits, repeats)
-        t_ours, mem_ours = _time(lambda ids=ids: _ours_prefill(m, ids), repeats)
+            t_hf = _time(lambda ids=ids: hf(ids[None]).logits, repeats)
+        t_ours = _time(lambda ids=ids: _ours_prefill(m, ids), repeats)
+        spec = None if m.name == "SmolLM2-135M-Instruct" else str(m.source)
+        mem_ours = _peak_in_subprocess("ours", n, spec) or 0
+        mem_hf = _peak_in_subprocess("hf", n, spec) or 0
         rows[str(len(ids))] = {
             "ours_ms": round(1000 * t_ours, 1),
             "hf_ms": round(1000 * t_hf, 1),
@@ -86,3 +133,9 @@ def run_model_bench(
         "prefill_speedup_vs_hf": {k: v["speedup"] for k, v in rows.items()},
         "prefill": rows,
     }
+
+
+if __name__ == "__main__":
+    _kind, _n = sys.argv[1], int(sys.argv[2])
+    _spec = sys.argv[3] if len(sys.argv) > 3 else None
+    print(json.dumps({"peak_bytes": peak_prefill_bytes(_kind, _n, _spec)}))

@@ -79,9 +79,7 @@ def answer(
     model = loaded.model
     extra = sampling.max_tokens + (len(forced) if forced else 0)
     t0 = time.perf_counter()
-    job = runner.start(runner.plan(request, mode, budgets), extra, t0)
-    result = model.forward_step([job.work])[0]
-    outcome = runner.finish(job, result)
+    job, outcome = runner.prefill(request, mode, budgets, extra_capacity=extra)
     tokens = decode(model, job.kv, outcome.first_logits, sampling, loaded.eos_token_ids)
     first = next(tokens)
     outcome.report.ttft_ms = 1000 * (time.perf_counter() - t0)
@@ -107,5 +105,5 @@ def answer(
         first_logits=outcome.first_logits,
         forced_logits=forced_logits,
         rows=job.rows,
-        rows_last_layer=result.rows_last_layer,
+        rows_last_layer=outcome.rows_last_layer,
     )

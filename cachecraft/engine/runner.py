@@ -59,6 +59,8 @@ class PrefillOutcome:
     variants: list[Variant] = field(default_factory=list)
     hits: list[tuple[str, float]] = field(default_factory=list)
     misses: list[str] = field(default_factory=list)
+    rows_last_layer: torch.Tensor | None = None
+    """Per computed row (PrefillJob.rows), the last layer it ran through."""
 
 
 class Runner:
@@ -224,7 +226,7 @@ class Runner:
             self.prefix_cache.put(
                 layout.prefix_key, job.kv.k[:, :, :p].clone(), job.kv.v[:, :, :p].clone()
             )
-        return PrefillOutcome(result.logits[-1], report, variants, hits, misses)
+        return PrefillOutcome(result.logits[-1], report, variants, hits, misses, last)
 
     @staticmethod
     def _chunk_report(cp: ChunkPlan, done: int, last: torch.Tensor) -> ChunkReport:
