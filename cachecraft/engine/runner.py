@@ -20,6 +20,7 @@ from cachecraft.engine.hooks import DeviationSelect, EarlyTermination
 from cachecraft.engine.layer_loader import LayerLoader
 from cachecraft.engine.prefix_cache import PrefixCache
 from cachecraft.engine.report import ChunkReport, RequestReport
+from cachecraft.engine.variants import make_variants
 from cachecraft.errors import BadRequestError
 from cachecraft.model.kv import KVCache
 from cachecraft.model.loader import DTYPES, LoadedModel
@@ -28,7 +29,6 @@ from cachecraft.request import RagRequest
 from cachecraft.reuse.layout import build_layout
 from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
 from cachecraft.reuse.planner import plan_request
-from cachecraft.reuse.stats import cci
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.codec import CorruptVariantError
 from cachecraft.store.layers import TensorLayerReader
@@ -220,7 +220,10 @@ class Runner:
             layer_fraction=float((last + 1).sum()) / total_layers if total_layers else 0.0,
             prefix_cached=layout.prefix_len if not job.prefix_computed else 0,
         )
-        variants = [] if plan.mode == "full" else self._new_variants(job, result)
+        variants = []
+        if plan.mode != "full":
+            rope = self.loaded.model.rope
+            variants = make_variants(plan, job.rows, job.kv, result, rope, self.storage_dtype)
         if job.prefix_computed and plan.mode != "full":
             p = layout.prefix_len
             self.prefix_cache.put(
@@ -246,44 +249,6 @@ class Runner:
             beta_adj=cp.beta_adj,
             cfo=cp.cfo,
         )
-
-    def _new_variants(self, job: PrefillJob, result: SeqResult) -> list[Variant]:
-        plan, layout = job.plan, job.plan.layout
-        if result.span_mass_layers is None or result.row_span_mass is None:
-            return []
-        span_mass = result.span_mass_layers.tolist()  # [L][S][S], span i+1 is chunk i
-        rope, out = self.loaded.model.rope, []
-        for i, cp in enumerate(plan.chunks):
-            if cp.variant is not None:
-                continue
-            slot, n = cp.slot, cp.slot.num_tokens
-            earlier = plan.chunks[:i]
-            inter = tuple(
-                tuple(layer[i + 1][j + 1] for layer in span_mass) for j in range(len(earlier))
-            )
-            intra = tuple(layer[i + 1][i + 1] for layer in span_mass)
-            rows = (job.rows >= slot.start) & (job.rows < slot.end)
-            scores = result.row_span_mass[rows][:, 1 : i + 1].sum(-1)
-            sizes = tuple(c.slot.num_tokens for c in earlier)
-            meta = VariantMeta(
-                chunk_key=slot.key,
-                prefix_key=layout.prefix_key,
-                s_old=tuple(c.slot.key for c in earlier),
-                s_old_sizes=sizes,
-                num_tokens=n,
-                num_layers=len(intra),
-                inter=inter,
-                intra=intra,
-                token_scores=tuple(scores.tolist()),
-                cci=cci(inter, intra, sizes, n),
-            )
-            positions = torch.arange(slot.start, slot.end, device=job.kv.k.device)
-            keys = rope.unrotate(job.kv.k[:, :, slot.start : slot.end], positions)
-            values = job.kv.v[:, :, slot.start : slot.end]
-            out.append(
-                Variant(meta, keys.to(self.storage_dtype), values.to(self.storage_dtype).clone())
-            )
-        return out
 
     def commit(self, outcome: PrefillOutcome) -> None:
         """Tell the store what was reused and missed, and offer the new variants."""

@@ -1,0 +1,64 @@
+"""make_variants: turn the chunks a prefill computed in full into chunk-cache variants.
+
+Their K/V come out of the request's KVCache (keys un-rotated to before RoPE); their metadata
+(S_old, inter / intra attention per layer, per-token external scores, CCI: cache-craft.md §2)
+from the attention statistics the forward collected over the prompt's spans.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cachecraft.model.kv import KVCache
+from cachecraft.model.rope import Rope
+from cachecraft.model.step import SeqResult
+from cachecraft.reuse.plan import RecomputePlan
+from cachecraft.reuse.stats import cci
+from cachecraft.store.meta import VariantMeta
+from cachecraft.store.variant import Variant
+
+
+def make_variants(
+    plan: RecomputePlan,
+    rows: torch.Tensor,
+    kv: KVCache,
+    result: SeqResult,
+    rope: Rope,
+    storage_dtype: torch.dtype,
+) -> list[Variant]:
+    """One variant per chunk of `plan` computed in full. Spans: 0 = prefix, i + 1 = chunk i,
+    last = question; `rows` [n] are the computed positions behind result.row_span_mass."""
+    if result.span_mass_layers is None or result.row_span_mass is None:
+        return []
+    layout = plan.layout
+    span_mass = result.span_mass_layers.tolist()  # [L][S][S]
+    out = []
+    for i, cp in enumerate(plan.chunks):
+        if cp.variant is not None:
+            continue
+        slot, n = cp.slot, cp.slot.num_tokens
+        earlier = plan.chunks[:i]
+        inter = tuple(
+            tuple(layer[i + 1][j + 1] for layer in span_mass) for j in range(len(earlier))
+        )
+        intra = tuple(layer[i + 1][i + 1] for layer in span_mass)
+        in_chunk = (rows >= slot.start) & (rows < slot.end)
+        scores = result.row_span_mass[in_chunk][:, 1 : i + 1].sum(-1)  # mass on earlier chunks
+        sizes = tuple(c.slot.num_tokens for c in earlier)
+        meta = VariantMeta(
+            chunk_key=slot.key,
+            prefix_key=layout.prefix_key,
+            s_old=tuple(c.slot.key for c in earlier),
+            s_old_sizes=sizes,
+            num_tokens=n,
+            num_layers=len(intra),
+            inter=inter,
+            intra=intra,
+            token_scores=tuple(scores.tolist()),
+            cci=cci(inter, intra, sizes, n),
+        )
+        positions = torch.arange(slot.start, slot.end, device=kv.k.device)
+        keys = rope.unrotate(kv.k[:, :, slot.start : slot.end], positions).to(storage_dtype)
+        values = kv.v[:, :, slot.start : slot.end].to(storage_dtype, copy=True)
+        out.append(Variant(meta, keys, values))
+    return out
