@@ -234,3 +234,15 @@ def test_cli_json_out_and_errors(tiny_dir: Path, tmp_path: Path, capsys) -> None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
     assert "bogus" in err[0] and "nope.jsonl" in err[1]
+
+
+def test_shared_warmup_gives_every_arm_the_same_warm_store(tiny: LoadedModel) -> None:
+    from cachecraft.bench.quality import build_arms, run_arms
+
+    items = _items()
+    arms = build_arms(["naive", "cachecraft"])
+    out = run_arms(tiny, items, arms, warmup=2, max_tokens=2, progress=False, shared_warmup=True)
+    sizes = {name: len(store) for name, (_, store) in out.items() if name != "full"}
+    assert len(set(sizes.values())) == 1 and min(sizes.values()) > 0
+    hits = [r["chunk_hit_rate"] for r in out["naive"][0]]
+    assert len(hits) == len(items) - 2 and max(hits) > 0

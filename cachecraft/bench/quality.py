@@ -206,6 +206,13 @@ def _run_request(
         full.records.append(_compare(item, ref, ref, shape))
 
 
+def _warm_all_chunks(runner: Runner, item: WorkloadItem) -> None:
+    """Compute every chunk of `item` in full in its context and store them as variants."""
+    job = runner.start(runner.plan(item.request, "cachecraft", lookup=False))
+    outcome = runner.finish(job, runner.loaded.model.forward_step([job.work])[0])
+    runner.commit(outcome)
+
+
 def run_arms(
     loaded: LoadedModel,
     items: Sequence[WorkloadItem],
@@ -215,9 +222,15 @@ def run_arms(
     max_tokens: int = 32,
     store_bytes: int = DEFAULT_STORE_BYTES,
     progress: bool = True,
+    shared_warmup: bool = False,
 ) -> dict[str, tuple[list[dict[str, Any]], ChunkStore]]:
     """Run `arms` (full first) over `items`; the first `warmup` requests only fill the caches.
-    Returns arm name -> (per-request records, its store)."""
+    Returns arm name -> (per-request records, its store).
+
+    shared_warmup: instead of every arm answering the warm-up requests itself, compute them
+    once with every chunk in full in its real context and give each arm the same variants
+    (arms then start from the same warm caches; warm-up costs one arm instead of all).
+    """
     if not arms or arms[0].mode != "full":
         raise BadRequestError("the first arm must be 'full' (the reference)")
     if warmup < 0 or max_tokens < 1:
@@ -235,7 +248,20 @@ def run_arms(
     sampling = SamplingParams(max_tokens=max_tokens)
     bar = tqdm(total=len(items), desc="bench quality", file=sys.stderr, disable=not progress)
     with torch.inference_mode(), bar:
+        if shared_warmup and warmup:
+            seed = Runner(loaded, MemoryStore(store_bytes, arms[0].config.max_variants_per_chunk))
+            for item in items[:warmup]:
+                bar.set_postfix_str("shared warm-up")
+                _warm_all_chunks(seed, item)
+                bar.update()
+            for run in runs[1:]:
+                for variant_id in seed.store.variant_ids():
+                    variant = seed.store.load(variant_id)
+                    if variant is not None:
+                        run.runner.store.offer(variant)
         for i, item in enumerate(items):
+            if shared_warmup and i < warmup:
+                continue
             bar.set_postfix_str("warm-up" if i < warmup else item.id[:24])
             if i < warmup:
                 _run_request(runs, item, warm, None)
@@ -261,6 +287,7 @@ def run_quality(
     progress: bool = True,
     workload: str = "workload",
     store_bytes: int = DEFAULT_STORE_BYTES,
+    shared_warmup: bool = False,
 ) -> dict[str, Any]:
     """Benchmark `modes` (see `build_arms`) on `items`; returns the report-schema dict
     (bench/report.py) with per-request records under workloads[workload]["requests"].
@@ -287,6 +314,7 @@ def run_quality(
         max_tokens=max_tokens,
         store_bytes=store_bytes,
         progress=progress,
+        shared_warmup=shared_warmup,
     )
     config = {
         "model": loaded.name,
@@ -294,6 +322,7 @@ def run_quality(
         "arms": [a.name for a in arms],
         "requests": len(items),
         "warmup": warmup,
+        "shared_warmup": shared_warmup,
         "match_budget": match_budget,
         "max_tokens": max_tokens,
         "reuse": asdict(base),

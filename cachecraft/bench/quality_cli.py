@@ -92,6 +92,11 @@ def add_bench_quality_parser(subparsers: argparse._SubParsersAction) -> argparse
     )  # fmt: skip
     p.add_argument("--sweep", action="store_true", help="sweep each mode's recompute budget")
     p.add_argument("--ablations", action="store_true", help="add the cachecraft ablations")
+    p.add_argument(
+        "--shared-warmup",
+        action="store_true",
+        help="warm every arm with the same variants (warm-up requests computed once, in full)",
+    )
     p.add_argument("--out", default=None, help="write results.json, report.md and plots here")
     p.set_defaults(func=main_bench_quality)
     return p
@@ -170,7 +175,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
     results = run_quality(
         _load_model(args), items, modes, warmup=args.warmup, match_budget=args.match_budget,
         max_tokens=args.max_tokens, base=base, ablations=args.ablations, sweep=args.sweep,
-        progress=not args.no_progress, workload=name,
+        progress=not args.no_progress, workload=name, shared_warmup=args.shared_warmup,
     )  # fmt: skip
     if args.out:
         paths = write_report(results, Path(args.out))
