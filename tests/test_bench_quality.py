@@ -246,3 +246,17 @@ def test_shared_warmup_gives_every_arm_the_same_warm_store(tiny: LoadedModel) ->
     assert len(set(sizes.values())) == 1 and min(sizes.values()) > 0
     hits = [r["chunk_hit_rate"] for r in out["naive"][0]]
     assert len(hits) == len(items) - 2 and max(hits) > 0
+
+
+def test_int8_disk_store_changes_reuse_fidelity(tiny: LoadedModel, tmp_path: Path) -> None:
+    from cachecraft.bench.quality import build_arms, run_arms
+    from cachecraft.store.config import StoreConfig
+
+    items, arms = _items(), build_arms(["naive"])
+    int8 = StoreConfig(cache_dir=str(tmp_path), memory_bytes=0, int8=True, doorkeeper_threshold=1)
+    kw = dict(warmup=2, max_tokens=2, progress=False, shared_warmup=True)
+    fp16 = run_arms(tiny, items, arms, **kw)["naive"][0]
+    q8 = run_arms(tiny, items, arms, store_config=int8, **kw)["naive"][0]
+    assert list(tmp_path.rglob("*.safetensors"))  # the arms really kept K/V on disk
+    assert [r["chunk_hit_rate"] for r in q8] == [r["chunk_hit_rate"] for r in fp16]
+    assert [r["tf_kl"] for r in q8] != [r["tf_kl"] for r in fp16]

@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel
 from cachecraft.reuse.planner import cachecraft_budgets
 from cachecraft.store.base import ChunkStore
+from cachecraft.store.config import StoreConfig, make_store
 from cachecraft.store.memory import MemoryStore
 
 log = logging.getLogger(__name__)
@@ -206,6 +208,14 @@ def _run_request(
         full.records.append(_compare(item, ref, ref, shape))
 
 
+def _arm_store(arm: Arm, index: int, nbytes: int, config: StoreConfig | None) -> ChunkStore:
+    if config is None:
+        return MemoryStore(nbytes, arm.config.max_variants_per_chunk)
+    where = str(Path(config.cache_dir) / f"arm{index}") if config.cache_dir else None
+    cap = arm.config.max_variants_per_chunk
+    return make_store(replace(config, cache_dir=where, max_variants_per_chunk=cap))
+
+
 def _warm_all_chunks(runner: Runner, item: WorkloadItem) -> None:
     """Compute every chunk of `item` in full in its context and store them as variants."""
     job = runner.start(runner.plan(item.request, "cachecraft", lookup=False))
@@ -223,6 +233,7 @@ def run_arms(
     store_bytes: int = DEFAULT_STORE_BYTES,
     progress: bool = True,
     shared_warmup: bool = False,
+    store_config: StoreConfig | None = None,
 ) -> dict[str, tuple[list[dict[str, Any]], ChunkStore]]:
     """Run `arms` (full first) over `items`; the first `warmup` requests only fill the caches.
     Returns arm name -> (per-request records, its store).
@@ -230,6 +241,8 @@ def run_arms(
     shared_warmup: instead of every arm answering the warm-up requests itself, compute them
     once with every chunk in full in its real context and give each arm the same variants
     (arms then start from the same warm caches; warm-up costs one arm instead of all).
+    store_config: give each arm a tiered store like this one (its cache_dir gets one
+    sub-directory per arm) instead of an in-memory store, e.g. disk-only with int8 K/V.
     """
     if not arms or arms[0].mode != "full":
         raise BadRequestError("the first arm must be 'full' (the reference)")
@@ -240,8 +253,8 @@ def run_arms(
             f"{len(items)} requests with warmup {warmup} leaves nothing to measure"
         )
     runs = []
-    for arm in arms:
-        store = MemoryStore(store_bytes, arm.config.max_variants_per_chunk)
+    for i, arm in enumerate(arms):
+        store = _arm_store(arm, i, store_bytes, store_config)
         runs.append(_ArmRun(arm, Runner(loaded, store, arm.config)))
     shape = ModelShape.from_config(loaded.hf_config)
     warm = SamplingParams(max_tokens=1)
@@ -288,6 +301,7 @@ def run_quality(
     workload: str = "workload",
     store_bytes: int = DEFAULT_STORE_BYTES,
     shared_warmup: bool = False,
+    store_config: StoreConfig | None = None,
 ) -> dict[str, Any]:
     """Benchmark `modes` (see `build_arms`) on `items`; returns the report-schema dict
     (bench/report.py) with per-request records under workloads[workload]["requests"].
@@ -315,6 +329,7 @@ def run_quality(
         store_bytes=store_bytes,
         progress=progress,
         shared_warmup=shared_warmup,
+        store_config=store_config,
     )
     config = {
         "model": loaded.name,
@@ -323,6 +338,7 @@ def run_quality(
         "requests": len(items),
         "warmup": warmup,
         "shared_warmup": shared_warmup,
+        "store": asdict(store_config) if store_config else "memory",
         "match_budget": match_budget,
         "max_tokens": max_tokens,
         "reuse": asdict(base),

@@ -18,6 +18,7 @@ from typing import Any
 from cachecraft.bench.item import WorkloadItem
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.errors import BadRequestError, CachecraftError
+from cachecraft.store.config import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,12 @@ def add_bench_quality_parser(subparsers: argparse._SubParsersAction) -> argparse
         action="store_true",
         help="warm every arm with the same variants (warm-up requests computed once, in full)",
     )
+    p.add_argument(
+        "--int8-store",
+        metavar="DIR",
+        default=None,
+        help="each arm keeps its chunk-caches on disk under DIR as int8 (memory tier off)",
+    )
     p.add_argument("--out", default=None, help="write results.json, report.md and plots here")
     p.set_defaults(func=main_bench_quality)
     return p
@@ -162,6 +169,12 @@ def _print_table(summary: dict[str, Any]) -> None:
     Console().print(table)
 
 
+def _int8_store(cache_dir: str | None) -> StoreConfig | None:
+    if cache_dir is None:
+        return None
+    return StoreConfig(cache_dir=cache_dir, memory_bytes=0, int8=True, doorkeeper_threshold=1)
+
+
 def _bench_quality(args: argparse.Namespace) -> int:
     from cachecraft.bench.quality import mode_of, run_quality
     from cachecraft.bench.quality_summary import flat_summary
@@ -176,6 +189,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
         _load_model(args), items, modes, warmup=args.warmup, match_budget=args.match_budget,
         max_tokens=args.max_tokens, base=base, ablations=args.ablations, sweep=args.sweep,
         progress=not args.no_progress, workload=name, shared_warmup=args.shared_warmup,
+        store_config=_int8_store(args.int8_store),
     )  # fmt: skip
     if args.out:
         paths = write_report(results, Path(args.out))
