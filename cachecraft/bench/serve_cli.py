@@ -15,6 +15,7 @@ from cachecraft.bench.serve_bench import (
     get_server_factory,
     run_serve_bench,
 )
+from cachecraft.errors import CachecraftError
 
 
 def _parse_rates(text: str) -> list[float]:
@@ -40,11 +41,23 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="our modes, comma list")
     parser.add_argument("--peer-python", default=None, help="python of the peer venv")
+    parser.add_argument(
+        "--chunk-tokens",
+        default="128,512",
+        help="min,max tokens per chunk of the synthetic Zipf workload",
+    )
     parser.set_defaults(func=main_serve_bench)
     return parser
 
 
 def main_serve_bench(args: argparse.Namespace) -> int:
+    from cachecraft.bench.synthetic import synthetic
+
+    try:
+        low, high = (int(x) for x in args.chunk_tokens.split(","))
+    except ValueError:
+        raise CachecraftError(f"--chunk-tokens wants MIN,MAX, got {args.chunk_tokens!r}") from None
+    items = synthetic(args.requests, chunk_tokens=(low, high), seed=args.seed)
     result = run_serve_bench(
         get_server_factory(),
         peer=args.peer,
@@ -54,6 +67,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         modes=[m.strip() for m in args.modes.split(",") if m.strip()],
         max_tokens=args.max_tokens,
         peer_python=args.peer_python,
+        items=items,
     )
     if args.json:
         print(json.dumps(result, indent=2))  # CLI output, not library logging
