@@ -60,7 +60,9 @@ def _ask(args: argparse.Namespace) -> int:
     if args.cache_dir:
         from cachecraft.store.config import StoreConfig, make_store
 
-        store = make_store(StoreConfig(cache_dir=args.cache_dir, device=args.device))
+        # One request per process: the doorkeeper's in-memory sightings would never reach 2.
+        config = StoreConfig(cache_dir=args.cache_dir, device=args.device, doorkeeper_threshold=1)
+        store = make_store(config)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, store=store, **_overrides(args))
     request = RagRequest(args.question, chunks, system=args.system)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
