@@ -71,6 +71,10 @@ def _add_common_flags(parser: argparse.ArgumentParser, seed: int) -> None:
         help=f"requests to use, warm-up included (built-ins: {DEFAULT_REQUESTS}; files: all)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=seed, help="workload and random-mode seed")
+    parser.add_argument(
+        "--chunk-tokens", default=None, metavar="MIN,MAX",
+        help="synthetic only: tokens per chunk (default 128,512)",
+    )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=20, help="first N requests only warm caches")
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy answer length")
     parser.add_argument("--model", default=None, help="HF dir or .gguf (default: bundled)")
@@ -126,6 +130,7 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
 
 def load_items(args: argparse.Namespace) -> tuple[str, list[WorkloadItem]]:
     """(workload name, items) from --workload / --workload-file and --requests."""
+    from cachecraft.bench.synthetic import parse_chunk_tokens
     from cachecraft.bench.workloads import BUILTIN_WORKLOADS, build_workload, load_workload_file
 
     if args.requests is not None and args.requests < 1:
@@ -136,7 +141,12 @@ def load_items(args: argparse.Namespace) -> tuple[str, list[WorkloadItem]]:
     n = args.requests
     if args.workload in BUILTIN_WORKLOADS and n is None:
         n = DEFAULT_REQUESTS
-    items = build_workload(args.workload, n, seed=args.seed)
+    kw = {}
+    if args.chunk_tokens is not None:
+        if args.workload != "synthetic":
+            raise BadRequestError("--chunk-tokens applies to --workload synthetic only")
+        kw["chunk_tokens"] = parse_chunk_tokens(args.chunk_tokens)
+    items = build_workload(args.workload, n, seed=args.seed, **kw)
     name = args.workload if args.workload in BUILTIN_WORKLOADS else Path(args.workload).stem
     return name, items
 

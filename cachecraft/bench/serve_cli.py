@@ -15,7 +15,6 @@ from cachecraft.bench.serve_bench import (
     get_server_factory,
     run_serve_bench,
 )
-from cachecraft.errors import CachecraftError
 
 
 def _parse_rates(text: str) -> list[float]:
@@ -51,13 +50,11 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def main_serve_bench(args: argparse.Namespace) -> int:
-    from cachecraft.bench.synthetic import synthetic
+    from cachecraft.bench.synthetic import parse_chunk_tokens, synthetic
 
-    try:
-        low, high = (int(x) for x in args.chunk_tokens.split(","))
-    except ValueError:
-        raise CachecraftError(f"--chunk-tokens wants MIN,MAX, got {args.chunk_tokens!r}") from None
-    items = synthetic(args.requests, chunk_tokens=(low, high), seed=args.seed)
+    items = synthetic(
+        args.requests, chunk_tokens=parse_chunk_tokens(args.chunk_tokens), seed=args.seed
+    )
     result = run_serve_bench(
         get_server_factory(),
         peer=args.peer,

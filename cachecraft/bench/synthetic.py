@@ -32,6 +32,17 @@ class SyntheticChunk:
     """(article title, article text included in the chunk), in order."""
 
 
+def parse_chunk_tokens(text: str) -> tuple[int, int]:
+    """ "MIN,MAX" (a --chunk-tokens flag) -> (MIN, MAX); a clear error otherwise."""
+    try:
+        low, high = (int(x) for x in text.split(","))
+    except ValueError:
+        raise BadRequestError(f"--chunk-tokens wants MIN,MAX, got {text!r}") from None
+    if not 16 <= low <= high:
+        raise BadRequestError(f"--chunk-tokens must satisfy 16 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
 def build_chunks(
     num_chunks: int, chunk_tokens: tuple[int, int], rng: np.random.Generator
 ) -> list[SyntheticChunk]:
