@@ -18,7 +18,7 @@ from cachecraft.bench.calibrate import (
     read_config,
     write_config,
 )
-from cachecraft.bench.item import WorkloadItem
+from cachecraft.bench.item import WorkloadItem, estimate_tokens
 from cachecraft.bench.quality import ABLATIONS, build_arms, run_quality
 from cachecraft.bench.quality_cli import add_bench_quality_parser
 from cachecraft.bench.quality_summary import FLAT_KEYS, flat_summary
@@ -231,9 +231,25 @@ def test_cli_json_out_and_errors(tiny_dir: Path, tmp_path: Path, capsys) -> None
 
     assert _cli(["bench", "quality", *common, "--modes", "full,bogus"]) == 2
     assert _cli(["bench", "quality", "--workload-file", str(tmp_path / "nope.jsonl")]) == 2
+    assert _cli(["bench", "quality", "--workload", "synthetic", "--chunk-tokens", "64"]) == 2
+    assert _cli(["bench", "quality", "--workload", "wiki-qa", "--chunk-tokens", "64,96"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+    assert len(err) == 4 and all(line.startswith("error: ") for line in err)
     assert "bogus" in err[0] and "nope.jsonl" in err[1]
+    assert "MIN,MAX" in err[2] and "synthetic only" in err[3]
+
+
+def test_chunk_tokens_flag_sets_synthetic_chunk_lengths() -> None:
+    from cachecraft.bench.quality_cli import load_items
+
+    parser = argparse.ArgumentParser()
+    add_bench_quality_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["quality", "--workload", "synthetic", "--requests", "6", "--chunk-tokens", "40,48"]
+    )
+    _, items = load_items(args)
+    sizes = [estimate_tokens(c.text) for item in items for c in item.request.chunks]
+    assert len(items) == 6 and 36 <= min(sizes) and max(sizes) <= 64
 
 
 def test_shared_warmup_gives_every_arm_the_same_warm_store(tiny: LoadedModel) -> None:
