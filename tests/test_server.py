@@ -24,6 +24,7 @@ from cachecraft.engine.sampling import SamplingParams
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.server.config import ServerConfig
+from cachecraft.server.generation import TextStream
 from cachecraft.server.launch import start_server
 from cachecraft.store.memory import MemoryStore
 
@@ -137,6 +138,44 @@ def test_metrics_lists_everything(url: str) -> None:
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
+def test_stop_strings_end_the_answer_before_them(url: str, small: LoadedModel) -> None:
+    full = ask(url, 3, max_tokens=24, ignore_eos=True).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[len(words) // 2]  # a word in the middle: the answer must end just before it
+    cut = full.index(stop)
+    out = ask(url, 3, max_tokens=24, ignore_eos=True, stop=[stop, "\u2603never"])
+    assert out.choices[0].message.content == full[:cut].rstrip()
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens < 24  # the engine stopped decoding, not just the text
+    q, docs = question(3)
+    stream = client(url).chat.completions.create(
+        model="cachecraft",
+        messages=[{"role": "user", "content": q}],
+        max_tokens=24,
+        stream=True,
+        stop=stop,
+        extra_body={"documents": docs, "ignore_eos": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full[:cut] and stop not in text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_text_stream_holds_back_a_possible_stop_string(small: LoadedModel) -> None:
+    tok = small.tokenizer
+    ids = tok.encode("The river flows north. END of story", add_special_tokens=False)
+    stream = TextStream(tok, ("END", "north!"))
+    deltas = [stream.add(i) for i in ids]
+    assert "".join(deltas) == "The river flows north. " and stream.stopped
+    assert stream.final_text() == "The river flows north." and stream.flush() == ""
+    plain = TextStream(tok, ("north!",))
+    shown = "".join(plain.add(i) for i in tok.encode("flows north", add_special_tokens=False))
+    assert shown == "flows "  # "north" may begin the stop string "north!": held back
+    assert shown + plain.flush() == "flows north" and not plain.stopped
+
+
 BAD = [
     ("{not json", 400, "malformed JSON"),
     ('{"model": "cachecraft"}', 400, "messages"),
@@ -148,6 +187,8 @@ BAD = [
     ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "cachecraft_mode": "x"}', 400, "cachecraft_mode"),
     ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "documents": [{"txt": "a"}]}', 400, "documents"),
     ('[1, 2]', 400, "body"),
+    ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "stop": ["a", ""]}', 400, "stop"),
+    ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "stop": 7}', 400, "stop"),
 ]  # fmt: skip
 
 

@@ -82,7 +82,7 @@ class Engine:
         self.scheduler = Scheduler(c.token_budget, c.max_running, c.max_queue)
         self._wake = threading.Condition()
         self._inbox: deque[_Live] = deque()
-        self._aborts: set[str] = set()
+        self._aborts: dict[str, str] = {}  # request id -> finish reason ("abort" or "stop")
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
@@ -125,9 +125,11 @@ class Engine:
             self._wake.notify()
         return handle
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request now. reason "abort": the client left (counted in num_aborted); "stop":
+        the caller saw a stop string, so it finishes normally with its report."""
         with self._wake:
-            self._aborts.add(request_id)
+            self._aborts.setdefault(request_id, reason)
             self._wake.notify()
 
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -168,7 +170,7 @@ class Engine:
                 if self._stopping:
                     break
                 inbox, self._inbox = list(self._inbox), deque()
-                aborts, self._aborts = self._aborts, set()
+                aborts, self._aborts = self._aborts, {}
                 calls, self._calls = list(self._calls), deque()
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
@@ -176,12 +178,13 @@ class Engine:
                         future.set_result(fn())
                     except BaseException as e:  # the caller gets it; the loop goes on
                         future.set_exception(e)
-            for request_id in aborts:
-                self._drop(request_id, abort=True)
+            for request_id, reason in aborts.items():
+                self._drop(request_id, reason)
             for live in inbox:
-                if live.handle.request_id in aborts:
-                    self.num_aborted += 1
-                    live.handle.push(Finished("abort", [], None))
+                reason = aborts.get(live.handle.request_id)
+                if reason is not None:
+                    self.num_aborted += reason == "abort"
+                    live.handle.push(Finished(reason, [], None))
                 else:
                     self._admit(live)
             try:
@@ -307,19 +310,21 @@ class Engine:
             live.handle.push(Finished(reason, list(state.output_ids), report))
 
     def _fail(self, request_id: str, error: BaseException) -> None:
-        live = self._drop(request_id, abort=False)
+        live = self._drop(request_id, None)
         if live is not None:
             live.handle.push(Failed(error))
 
-    def _drop(self, request_id: str, abort: bool) -> _Live | None:
+    def _drop(self, request_id: str, reason: str | None) -> _Live | None:
+        """Free a request; with a reason, tell its handle it finished that way."""
         self.scheduler.abort(request_id)
         live = self._live.pop(request_id, None)
         if live is None:  # still in this step's inbox, or already finished
             return None
-        if abort:
-            self.num_aborted += 1
+        if reason is not None:
+            self.num_aborted += reason == "abort"
             out = list(live.state.output_ids) if live.state else []
-            live.handle.push(Finished("abort", out, None))
+            report = live.outcome.report if live.outcome is not None else None
+            live.handle.push(Finished(reason, out, report))
         return live
 
 

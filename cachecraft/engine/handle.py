@@ -47,7 +47,7 @@ class RequestHandle:
     def __init__(
         self,
         request_id: str,
-        abort: Callable[[str], None],
+        abort: Callable[[str, str], None],
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.request_id = request_id
@@ -78,6 +78,13 @@ class RequestHandle:
         return event
 
     def abort(self) -> None:
+        """The client went away: free the request; a Finished("abort") event follows."""
         if not self.is_done:
-            self._abort(self.request_id)
+            self._abort(self.request_id, "abort")
             self.is_done = True
+
+    def stop(self) -> None:
+        """The caller has all it wants (a stop string): free the request; a Finished event
+        with reason "stop" and the request's report follows."""
+        if not self.is_done:
+            self._abort(self.request_id, "stop")

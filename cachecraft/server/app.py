@@ -188,7 +188,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         rag = to_rag(body, ns)
         sampling = sampling_of(body, config)
         handle = engine.submit(rag, sampling, mode, loop=asyncio.get_running_loop())
-        gen = Generation(state, handle, isinstance(body, ChatCompletionRequest), body.model, ns)
+        chat = isinstance(body, ChatCompletionRequest)
+        gen = Generation(state, handle, chat, body.model, ns, body.stop_strings())
         try:
             await gen.planned()
         except BaseException:

@@ -68,23 +68,53 @@ def sampling_of(body: ChatCompletionRequest | CompletionRequest, defaults: Any) 
 
 
 class TextStream:
-    """Incremental detokenization: the new text after each token (held back while the text
-    ends inside a multi-byte character)."""
+    """Incremental detokenization: the new text after each token. Text is held back while it
+    ends inside a multi-byte character or with the start of a stop string; once a stop string
+    appears the text ends before it (`stopped`) and later tokens are ignored."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self.stops = tuple(s for s in stops if s)
         self.ids: list[int] = []
         self.sent = ""
+        self.stopped = False
 
     def add(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
         if text.endswith("\ufffd"):
             return ""
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, text = True, text[:cut]
+        else:
+            text = text[: len(text) - self._held(text)]
+        if len(text) <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+    def _held(self, text: str) -> int:
+        """Length of the longest end of `text` that begins some stop string."""
+        return max(
+            (n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
+             if s.startswith(text[-n:])),
+            default=0,
+        )  # fmt: skip
+
+    def flush(self) -> str:
+        """At the end: the text held back for a stop string that never came."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
         delta, self.sent = text[len(self.sent) :], text
         return delta
 
     def final_text(self) -> str:
+        if self.stopped:
+            return self.sent.rstrip()
         return self.tokenizer.decode(self.ids, skip_special_tokens=True).strip()
 
 
@@ -92,7 +122,13 @@ class Generation:
     """One request in flight: its handle and what it produced so far."""
 
     def __init__(
-        self, app_state: Any, handle: RequestHandle, chat: bool, model: str, namespace: str
+        self,
+        app_state: Any,
+        handle: RequestHandle,
+        chat: bool,
+        model: str,
+        namespace: str,
+        stops: tuple[str, ...] = (),
     ) -> None:
         self.state = app_state
         self.namespace = namespace
@@ -102,7 +138,7 @@ class Generation:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.t0 = time.perf_counter()
-        self.text = TextStream(app_state.engine.runner.loaded.tokenizer)
+        self.text = TextStream(app_state.engine.runner.loaded.tokenizer, stops)
         self.num_prompt_tokens = 0
         self.num_output = 0
         self.finish_reason: str | None = None
@@ -121,14 +157,22 @@ class Generation:
         while True:
             event = await self.handle.next_event()
             if isinstance(event, Token):
+                if self.text.stopped:
+                    continue  # sampled before the engine heard of the stop string
                 self.num_output += 1
                 if not event.is_stop:
                     delta = self.text.add(event.token_id)
+                    if self.text.stopped:
+                        self.handle.stop()
                     if delta:
                         yield delta
             elif isinstance(event, Finished):
-                self.finish_reason, self.report = event.finish_reason, event.report
+                self.finish_reason = "stop" if self.text.stopped else event.finish_reason
+                self.report = event.report
                 self._done()
+                rest = self.text.flush()
+                if rest:
+                    yield rest
                 return
             elif isinstance(event, Failed):
                 raise event.error

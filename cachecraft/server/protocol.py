@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 
 class _Lenient(BaseModel):
@@ -56,6 +65,18 @@ class _Generation(_Lenient):
     cache_namespace: StrictStr | None = Field(default=None, min_length=1, max_length=128)
     cachecraft_mode: StrictStr | None = None
     ignore_eos: StrictBool = False
+    stop: StrictStr | list[StrictStr] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else v or []
+        if len(items) > 4 or any(not s for s in items):
+            raise ValueError("give at most 4 non-empty stop strings")
+        return v
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
 class ChatCompletionRequest(_Generation):
