@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from cachecraft.bench.metrics import percentile, summarize
+from cachecraft.bench.paired import paired_summary
 
 MEAN_METRICS: tuple[str, ...] = (
     "computed_fraction",
@@ -102,7 +103,9 @@ def summarize_results(arms: Sequence[Any], out: Mapping[str, tuple[list, Any]]) 
         sweep.setdefault(a.sweep[0], []).append(point)
     for points in sweep.values():
         points.sort(key=lambda p: p["param"])
-    return {"modes": modes, "sweep": sweep, "requests": {a.name: out[a.name][0] for a in arms}}
+    requests = {a.name: out[a.name][0] for a in arms}
+    paired = paired_summary({name: requests[name] for name in modes})
+    return {"modes": modes, "sweep": sweep, "paired": paired, "requests": requests}
 
 
 def _flat_mode(metrics: Mapping[str, Any]) -> dict[str, Any]:

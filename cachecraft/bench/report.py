@@ -5,7 +5,8 @@ Schema of `results` (every metric may be missing or None; a sweep may be empty):
     {"config": {str: any},
      "workloads": {name: {
          "modes": {mode: {metric: {"mean": float, "ci95": [lo, hi], "n": int} | float | None}},
-         "sweep": {mode: [{"param": x, "computed_fraction": f, "tf_kl": f, "rouge_l": f}, ...]}}}}
+         "sweep": {mode: [{"param": x, "computed_fraction": f, "tf_kl": f, "rouge_l": f}, ...]},
+         "paired": {"reference": arm, "arms": {arm: {metric: summary}}, "kl_removed": {...}}}}}
 
 Metrics read: computed_fraction, flops_fraction, ttft_p50_ms, ttft_p95_ms, rouge_l (vs full),
 first_token_kl, tf_kl, tf_agreement, f1, em, storage_bytes (see COLUMNS).
@@ -88,6 +89,37 @@ def markdown_table(modes: dict[str, dict[str, Any]]) -> str:
         for mode, m in modes.items()
     ]
     return "\n".join([header, rule, *rows])
+
+
+PAIRED_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("tf_kl", "Δ TF-KL", "{:+.4f}"),
+    ("first_token_kl", "Δ first-token KL", "{:+.4f}"),
+    ("rouge_l", "Δ ROUGE-L", "{:+.3f}"),
+    ("tf_agreement", "Δ TF agreement", "{:+.3f}"),
+)
+"""(metric, header, format) of the paired table: arm minus the reference, per request."""
+
+
+def paired_table(paired: dict[str, Any]) -> str:
+    """The paired comparison (bench/paired.py) as markdown: one row per arm, then the share of
+    naive reuse's TF-KL each arm removes."""
+    ref = paired.get("reference", "cachecraft")
+    removed = paired.get("kl_removed") or {}
+    header = (
+        "| arm | "
+        + " | ".join(label for _, label, _ in PAIRED_COLUMNS)
+        + f" | {ref} lower TF-KL | naive TF-KL removed |"
+    )
+    rows = [header, "|---" * (len(PAIRED_COLUMNS) + 3) + "|"]
+    names = [*(paired.get("arms") or {}), *([ref] if ref in removed else [])]
+    for name in names:
+        diffs = (paired.get("arms") or {}).get(name, {})
+        cells = [format_cell(diffs.get(k), f) for k, _, f in PAIRED_COLUMNS]
+        share = (diffs.get("tf_kl") or {}).get("ref_lower")
+        cells.append("–" if share is None else f"{share:.0%}")
+        cells.append(format_cell(removed.get(name), "{:.2f}"))
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def _slug(name: str) -> str:
@@ -215,6 +247,20 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
         modes = wl.get("modes") or {}
         lines += [f"## Workload `{name}`", ""]
         lines += [markdown_table(modes) if modes else "_no modes were run_", ""]
+        paired = wl.get("paired") or {}
+        if paired.get("arms") or paired.get("kl_removed"):
+            ref = paired.get("reference", "cachecraft")
+            lines += [
+                f"### Paired with `{ref}` on the same requests",
+                "",
+                f"Each Δ is the arm minus `{ref}`, averaged over requests, with a bootstrap 95% "
+                f"CI (a CI that excludes 0 is a real difference). `{ref} lower TF-KL`: share of "
+                "requests where its TF-KL is strictly lower. `naive TF-KL removed`: "
+                "1 - mean(arm TF-KL) / mean(naive TF-KL).",
+                "",
+                paired_table(paired),
+                "",
+            ]
         for path in _plots(name, wl, out_dir):
             plots.append(path)
             lines.append(f"![{path.stem}]({path.name})")

@@ -1,0 +1,87 @@
+"""Paired comparisons: every arm against cachecraft on the same requests.
+
+Two arms that answered the same requests are compared request by request: the mean of the
+per-request differences, with a bootstrap CI over requests, is much tighter than two
+overlapping per-arm CIs, because both arms share each request's difficulty. Also the share of
+naive reuse's teacher-forced KL that an arm removes, 1 - mean(arm) / mean(naive), with its CI
+from resampling requests jointly.
+
+Pure arithmetic over the per-request records of bench/quality.py; no model, no tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from cachecraft.bench.metrics import summarize
+
+PAIRED_METRICS: tuple[str, ...] = ("tf_kl", "first_token_kl", "rouge_l", "tf_agreement")
+"""Per-request metrics whose paired differences are reported (arm minus reference)."""
+
+Records = Sequence[Mapping[str, Any]]
+
+
+def _aligned(a: Records, b: Records, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Values of `key` for the requests both record lists have (by id), in a's order."""
+    by_id = {r["id"]: r.get(key) for r in b}
+    pairs = [
+        (r.get(key), by_id[r["id"]])
+        for r in a
+        if r["id"] in by_id and r.get(key) is not None and by_id[r["id"]] is not None
+    ]
+    x = np.asarray([p[0] for p in pairs], dtype=np.float64)
+    y = np.asarray([p[1] for p in pairs], dtype=np.float64)
+    return x, y
+
+
+def paired_difference(arm: Records, ref: Records, key: str) -> dict[str, Any]:
+    """{"mean", "ci95", "n"} of arm[key] - ref[key] over shared requests, plus "ref_lower":
+    the share of requests where the reference's value is strictly lower."""
+    x, y = _aligned(arm, ref, key)
+    out = summarize((x - y).tolist())
+    out["ref_lower"] = float(np.mean(y < x)) if x.size else None
+    return out
+
+
+def kl_removed(
+    arm: Records, naive: Records, key: str = "tf_kl", n_boot: int = 1000, seed: int = 0
+) -> dict[str, Any]:
+    """1 - mean(arm) / mean(naive) over shared requests, with a bootstrap 95% CI."""
+    x, y = _aligned(arm, naive, key)
+    if x.size == 0 or y.sum() <= 0:
+        return {"mean": None, "ci95": [None, None], "n": int(x.size)}
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, x.size, size=(n_boot, x.size))
+    num, den = x[idx].sum(axis=1), y[idx].sum(axis=1)
+    ratios = 1.0 - num[den > 0] / den[den > 0]
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return {
+        "mean": float(1.0 - x.sum() / y.sum()),
+        "ci95": [float(lo), float(hi)],
+        "n": int(x.size),
+    }
+
+
+def paired_summary(
+    requests: Mapping[str, Records], ref: str = "cachecraft", naive: str = "naive"
+) -> dict[str, Any]:
+    """{"reference": ref, "arms": {arm: {metric: paired_difference}}, "kl_removed": {arm: ...}}
+    for every arm but `full` and the reference; empty when the reference was not run."""
+    if ref not in requests:
+        return {}
+    others = [name for name in requests if name not in ("full", ref)]
+    arms = {
+        name: {k: paired_difference(requests[name], requests[ref], k) for k in PAIRED_METRICS}
+        for name in others
+    }
+    removed = {}
+    if naive in requests:
+        removed = {
+            name: kl_removed(requests[name], requests[naive])
+            for name in requests
+            if name not in ("full", naive)
+        }
+    return {"reference": ref, "arms": arms, "kl_removed": removed}

@@ -1,0 +1,66 @@
+"""Paired comparisons (bench/paired.py) and `bench report` on hand-made per-request records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cachecraft.bench.paired import kl_removed, paired_difference, paired_summary
+from cachecraft.bench.report import write_report
+from cachecraft.bench.report_cli import load_results, refresh
+from cachecraft.errors import BadRequestError
+
+
+def _records(tf_kl: list[float], rouge: float = 1.0) -> list[dict]:
+    return [{"id": f"r{i}", "tf_kl": v, "rouge_l": rouge} for i, v in enumerate(tf_kl)]
+
+
+def test_paired_difference_matches_by_id_and_counts_wins() -> None:
+    ref = _records([0.1, 0.2, 0.3, 0.4])
+    arm = list(reversed(_records([0.2, 0.2, 0.5, 0.3])))  # order must not matter
+    d = paired_difference(arm, ref, "tf_kl")
+    assert d["n"] == 4
+    assert d["mean"] == pytest.approx((0.1 + 0.0 + 0.2 - 0.1) / 4)
+    assert d["ci95"][0] <= d["mean"] <= d["ci95"][1]
+    assert d["ref_lower"] == 0.5  # r0 and r2; r1 is a tie, r3 the arm wins
+    missing = paired_difference(arm[:2], ref, "tf_kl")  # only r3, r2 shared
+    assert missing["n"] == 2
+
+
+def test_kl_removed_is_one_minus_ratio_of_means() -> None:
+    naive = _records([0.4, 0.2, 0.6])
+    arm = _records([0.1, 0.1, 0.1])
+    r = kl_removed(arm, naive)
+    assert r["mean"] == pytest.approx(1 - 0.3 / 1.2)
+    assert 0 <= r["ci95"][0] <= r["mean"] <= r["ci95"][1] <= 1
+    assert kl_removed(arm, _records([0.0, 0.0, 0.0]))["mean"] is None
+
+
+def test_paired_summary_and_report_refresh(tmp_path: Path) -> None:
+    requests = {
+        "full": _records([0, 0, 0]),
+        "cachecraft": _records([0.1, 0.1, 0.2], rouge=0.9),
+        "naive": _records([0.4, 0.3, 0.5], rouge=0.5),
+        "epic": _records([0.1, 0.2, 0.2], rouge=0.8),
+    }
+    s = paired_summary(requests)
+    assert set(s["arms"]) == {"naive", "epic"}
+    assert s["arms"]["naive"]["rouge_l"]["mean"] == pytest.approx(-0.4)
+    assert s["kl_removed"]["cachecraft"]["mean"] == pytest.approx(1 - 0.4 / 1.2)
+    assert paired_summary({"full": requests["full"]}) == {}
+
+    results = {"config": {}, "workloads": {"w": {"modes": dict.fromkeys(requests, {}),
+                                                  "requests": requests}}}  # fmt: skip
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    write_report(refresh(load_results(str(path))), tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "### Paired with `cachecraft`" in report
+    assert "| epic | +0.0333" in report and "0.67 [" in report
+    path.write_text("{}")
+    with pytest.raises(BadRequestError, match="no 'workloads'"):
+        load_results(str(path))
+    with pytest.raises(BadRequestError, match="does not exist"):
+        load_results(str(tmp_path / "nope.json"))
