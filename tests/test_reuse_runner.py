@@ -155,6 +155,9 @@ def test_bad_requests_are_clear(llm: LLM) -> None:
         _run(llm, _req([0]), "magic")
     with pytest.raises(BadRequestError, match="unknown option"):
         LLM.__init__(llm, str(llm.loaded.source), not_an_option=1)
+    with pytest.raises(BadRequestError, match="stop: give non-empty strings"):
+        SamplingParams(stop=("ok", ""))
+    assert SamplingParams(stop="END").stop == ("END",)
     long_doc = "word " * 5000
     with pytest.raises(ContextLengthError, match=r"\d+ tokens but the model's context is 4096"):
         _run(llm, RagRequest("q?", [long_doc]), "cachecraft")

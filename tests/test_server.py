@@ -21,10 +21,10 @@ from cachecraft.engine.answer import answer
 from cachecraft.engine.engine import EngineConfig
 from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
+from cachecraft.engine.text import TextStream
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.server.config import ServerConfig
-from cachecraft.server.generation import TextStream
 from cachecraft.server.launch import start_server
 from cachecraft.store.memory import MemoryStore
 
@@ -161,6 +161,14 @@ def test_stop_strings_end_the_answer_before_them(url: str, small: LoadedModel) -
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full[:cut] and stop not in text
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+    # the offline path (LLM.generate / answer) cuts the same way
+    q, docs = question(3)
+    request = RagRequest(q, [Chunk(d["text"], d["id"]) for d in docs])
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop=stop)
+    offline = answer(Runner(small, MemoryStore(1 << 30)), request, params, "full")
+    assert offline.text == full[:cut].rstrip() and offline.finish_reason == "stop"
+    assert len(offline.token_ids) == out.usage.completion_tokens < 24
 
 
 def test_text_stream_holds_back_a_possible_stop_string(small: LoadedModel) -> None:

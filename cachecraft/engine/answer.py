@@ -6,8 +6,11 @@ state; the Runner does. Returns the computed rows and their last layers for FLOP
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,6 +18,7 @@ from cachecraft.engine.generate import decode
 from cachecraft.engine.report import RequestReport
 from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
+from cachecraft.engine.text import TextStream
 from cachecraft.model.kv import KVCache
 from cachecraft.model.llama import LlamaModel
 from cachecraft.model.step import SeqWork
@@ -57,6 +61,23 @@ def _force(
     return torch.cat([first_logits[None], step[:-1]])
 
 
+def _until_stop(
+    tokenizer: Any, first: int, rest: Iterator[int], stops: tuple[str, ...]
+) -> tuple[list[int], str | None]:
+    """Drain the generated tokens; with stop strings, end at the token that completes the
+    first one. Returns (ids, the text before the stop string or None when none appeared)."""
+    if not stops:
+        return [first, *rest], None
+    stream = TextStream(tokenizer, stops)
+    ids: list[int] = []
+    for token in itertools.chain([first], rest):
+        ids.append(token)
+        stream.add(token)
+        if stream.stopped:
+            return ids, stream.final_text()
+    return ids, None
+
+
 def answer(
     runner: Runner,
     request: RagRequest,
@@ -88,16 +109,18 @@ def answer(
     if forced:
         # Forced tokens go after the prompt; decoding then rewrites those positions.
         forced_logits = _force(model, job.kv, n, forced, outcome.first_logits)
-    ids_out = [first, *tokens]
+    ids_out, text = _until_stop(loaded.tokenizer, first, tokens, sampling.stop)
     if force_answer:
         forced_logits = _force(model, job.kv, n, ids_out, outcome.first_logits)
     if commit:
         runner.commit(outcome)
     eos = set(loaded.eos_token_ids) | set(sampling.stop_token_ids)
-    stopped = ids_out[-1] in eos and not sampling.ignore_eos
-    text_ids = ids_out[:-1] if stopped else ids_out
+    stopped = text is not None or (ids_out[-1] in eos and not sampling.ignore_eos)
+    if text is None:
+        text_ids = ids_out[:-1] if stopped else ids_out
+        text = loaded.tokenizer.decode(text_ids, skip_special_tokens=True).strip()
     return Answer(
-        text=loaded.tokenizer.decode(text_ids, skip_special_tokens=True).strip(),
+        text=text,
         token_ids=ids_out,
         finish_reason="stop" if stopped else "length",
         report=outcome.report,

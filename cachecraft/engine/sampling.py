@@ -19,8 +19,15 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    """Stop strings (a str or any sequence is accepted): the answer ends just before the
+    first one to appear."""
 
     def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise BadRequestError("stop: give non-empty strings")
+        object.__setattr__(self, "stop", stop)
         if self.max_tokens < 1:
             raise BadRequestError("max_tokens must be at least 1")
         if self.temperature < 0:

@@ -189,7 +189,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         sampling = sampling_of(body, config)
         handle = engine.submit(rag, sampling, mode, loop=asyncio.get_running_loop())
         chat = isinstance(body, ChatCompletionRequest)
-        gen = Generation(state, handle, chat, body.model, ns, body.stop_strings())
+        gen = Generation(state, handle, chat, body.model, ns, sampling.stop)
         try:
             await gen.planned()
         except BaseException:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cachecraft.engine.handle import Failed, Finished, Planned, RequestHandle, Token
 from cachecraft.engine.report import RequestReport
 from cachecraft.engine.sampling import SamplingParams
+from cachecraft.engine.text import TextStream
 from cachecraft.errors import BadRequestError
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.server.protocol import (
@@ -64,58 +65,8 @@ def sampling_of(body: ChatCompletionRequest | CompletionRequest, defaults: Any) 
         top_p=1.0 if body.top_p is None else float(body.top_p),
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        stop=body.stop_strings(),
     )
-
-
-class TextStream:
-    """Incremental detokenization: the new text after each token. Text is held back while it
-    ends inside a multi-byte character or with the start of a stop string; once a stop string
-    appears the text ends before it (`stopped`) and later tokens are ignored."""
-
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()) -> None:
-        self.tokenizer = tokenizer
-        self.stops = tuple(s for s in stops if s)
-        self.ids: list[int] = []
-        self.sent = ""
-        self.stopped = False
-
-    def add(self, token_id: int) -> str:
-        if self.stopped:
-            return ""
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
-        if text.endswith("\ufffd"):
-            return ""
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped, text = True, text[:cut]
-        else:
-            text = text[: len(text) - self._held(text)]
-        if len(text) <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
-
-    def _held(self, text: str) -> int:
-        """Length of the longest end of `text` that begins some stop string."""
-        return max(
-            (n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
-             if s.startswith(text[-n:])),
-            default=0,
-        )  # fmt: skip
-
-    def flush(self) -> str:
-        """At the end: the text held back for a stop string that never came."""
-        if self.stopped:
-            return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
-
-    def final_text(self) -> str:
-        if self.stopped:
-            return self.sent.rstrip()
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True).strip()
 
 
 class Generation:
