@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cachecraft.bench.merge import merge_results
 from cachecraft.bench.paired import kl_removed, paired_difference, paired_summary
 from cachecraft.bench.report import write_report
 from cachecraft.bench.report_cli import load_results, refresh
@@ -64,3 +65,33 @@ def test_paired_summary_and_report_refresh(tmp_path: Path) -> None:
         load_results(str(path))
     with pytest.raises(BadRequestError, match="does not exist"):
         load_results(str(tmp_path / "nope.json"))
+
+
+def _shard(ids: range, seed: int) -> dict:
+    def recs(scale: float) -> list[dict]:
+        return [
+            {"id": f"s{seed}-{i}", "tf_kl": scale * i, "rouge_l": 1 - scale, "ttft_ms": 10.0 * i}
+            for i in ids
+        ]
+
+    requests = {"full": recs(0.0), "cachecraft": recs(0.01), "naive": recs(0.03)}
+    modes = {arm: {"storage_bytes": 100 * (seed + 1)} for arm in requests}
+    return {"config": {"requests": len(ids), "reuse": {"seed": seed}},
+            "workloads": {"w": {"modes": modes, "requests": requests}}}  # fmt: skip
+
+
+def test_merge_pools_the_records_of_shards() -> None:
+    merged = merge_results([_shard(range(0, 4), 0), _shard(range(4, 10), 1)], ["a", "b"])
+    assert merged["config"]["requests"] == 10 and merged["config"]["seeds"] == [0, 1]
+    w = merged["workloads"]["w"]
+    cc = w["modes"]["cachecraft"]
+    assert cc["n"] == 10 and cc["tf_kl"]["mean"] == pytest.approx(0.01 * 4.5)
+    assert cc["ttft_p50_ms"]["mean"] == pytest.approx(45.0)  # the pooled median, not a mean
+    assert cc["storage_bytes"] == 150  # per-run storage: the shards' mean
+    assert w["paired"]["kl_removed"]["cachecraft"]["mean"] == pytest.approx(1 - 1 / 3)
+    with pytest.raises(BadRequestError, match="appears in two shards"):
+        merge_results([_shard(range(3), 0), _shard(range(3), 0)], ["a", "b"])
+    other = _shard(range(3, 6), 1)
+    del other["workloads"]["w"]["requests"]["naive"]
+    with pytest.raises(BadRequestError, match="same arms"):
+        merge_results([_shard(range(3), 0), other], ["a", "b"])

@@ -70,37 +70,52 @@ def percentile_summary(
     return {"mean": value, "ci95": [float(lo), float(hi)], "n": int(vals.size)}
 
 
-def summarize_arm(records: Sequence[Mapping[str, Any]], store: Any) -> dict[str, Any]:
-    """One arm's metrics: summaries for MEAN_METRICS and TTFT p50/p95, plus store size."""
-    out: dict[str, Any] = {k: summarize([r[k] for r in records]) for k in MEAN_METRICS}
+def summarize_records(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One arm's per-request metrics: summaries for MEAN_METRICS and TTFT p50/p95, and "n"."""
+    out: dict[str, Any] = {k: summarize([r.get(k) for r in records]) for k in MEAN_METRICS}
     ttft = [float(r["ttft_ms"]) for r in records]
     out["ttft_p50_ms"] = percentile_summary(ttft, 50)
     out["ttft_p95_ms"] = percentile_summary(ttft, 95)
-    out["storage_bytes"] = int(store.nbytes)
-    out["num_variants"] = len(store)
     out["n"] = len(records)
     return out
+
+
+def summarize_arm(records: Sequence[Mapping[str, Any]], store: Any) -> dict[str, Any]:
+    """`summarize_records` plus the arm's store size at the end of the run."""
+    out = summarize_records(records)
+    out["storage_bytes"] = int(store.nbytes)
+    out["num_variants"] = len(store)
+    return out
+
+
+def add_speedups(summaries: Mapping[str, dict[str, Any]]) -> None:
+    """Set each summary's ttft_speedup_vs_full (full's TTFT p50 over its own)."""
+    full_p50 = (summaries.get("full") or {}).get("ttft_p50_ms", {}).get("mean")
+    for s in summaries.values():
+        p50 = s["ttft_p50_ms"]["mean"]
+        s["ttft_speedup_vs_full"] = full_p50 / p50 if full_p50 and p50 else None
+
+
+def sweep_point(arm: str, param: float, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """One point of a sweep curve from its arm's summary."""
+    point: dict[str, Any] = {"param": param, "arm": arm}
+    point.update({k: summary[k]["mean"] for k in SWEEP_METRICS})
+    point["ttft_p50_ms"] = summary["ttft_p50_ms"]["mean"]
+    point["n"] = summary["n"]
+    return point
 
 
 def summarize_results(arms: Sequence[Any], out: Mapping[str, tuple[list, Any]]) -> dict[str, Any]:
     """{"modes": {arm: metrics}, "sweep": {mode: [points]}, "requests": {arm: records}} for
     the arms of one workload (`out`: arm name -> (records, store), as run_arms returns)."""
     summaries = {a.name: summarize_arm(*out[a.name]) for a in arms}
-    full_p50 = summaries["full"]["ttft_p50_ms"]["mean"]
-    for s in summaries.values():
-        p50 = s["ttft_p50_ms"]["mean"]
-        s["ttft_speedup_vs_full"] = full_p50 / p50 if full_p50 and p50 else None
+    add_speedups(summaries)
     modes = {a.name: summaries[a.name] for a in arms if a.sweep is None}
     sweep: dict[str, list[dict[str, Any]]] = {}
     for a in arms:
-        if a.sweep is None:
-            continue
-        s = summaries[a.name]
-        point: dict[str, Any] = {"param": a.sweep[1], "arm": a.name}
-        point.update({k: s[k]["mean"] for k in SWEEP_METRICS})
-        point["ttft_p50_ms"] = s["ttft_p50_ms"]["mean"]
-        point["n"] = s["n"]
-        sweep.setdefault(a.sweep[0], []).append(point)
+        if a.sweep is not None:
+            point = sweep_point(a.name, a.sweep[1], summaries[a.name])
+            sweep.setdefault(a.sweep[0], []).append(point)
     for points in sweep.values():
         points.sort(key=lambda p: p["param"])
     requests = {a.name: out[a.name][0] for a in arms}

@@ -1,8 +1,9 @@
-"""`cachecraft bench report RESULTS.json`: redraw report.md and the plots from a results.json.
+"""`cachecraft bench report RESULTS.json...`: redraw report.md and the plots from results.json.
 
 Reruns nothing: the per-request records kept in results.json are summarised again (paired
 comparisons included), so a report from an older version, or one whose plots were lost, is
-brought up to date in seconds.
+brought up to date in seconds. Several files are merged first (bench/merge.py): shards of one
+benchmark, e.g. one per seed, run side by side.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from cachecraft.bench.merge import merge_results
 from cachecraft.bench.paired import paired_summary
 from cachecraft.bench.report import write_report
 from cachecraft.errors import BadRequestError
@@ -39,8 +41,11 @@ def load_results(path: str) -> dict:
 
 
 def main_bench_report(args: argparse.Namespace) -> int:
-    results = refresh(load_results(args.results))
-    out = Path(args.out) if args.out else Path(args.results).parent
+    if len(args.results) > 1 and not args.out:
+        raise BadRequestError("merging several results needs --out DIR")
+    loaded = [load_results(path) for path in args.results]
+    results = refresh(loaded[0]) if len(loaded) == 1 else merge_results(loaded, args.results)
+    out = Path(args.out) if args.out else Path(args.results[0]).parent
     for path in write_report(results, out):
         print(path)
     return 0
@@ -49,7 +54,9 @@ def main_bench_report(args: argparse.Namespace) -> int:
 def add_bench_report_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `report` to the `bench` subcommands; sets `func`."""
     p = subparsers.add_parser("report", help="redraw report.md and plots from a results.json")
-    p.add_argument("results", help="a results.json written by bench quality --out")
+    p.add_argument(
+        "results", nargs="+", help="results.json written by bench quality --out (several: merged)"
+    )
     p.add_argument("--out", default=None, help="directory to write (default: the file's own)")
     p.set_defaults(func=main_bench_report)
     return p

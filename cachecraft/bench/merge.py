@@ -1,0 +1,61 @@
+"""Merge the results.json of several `bench quality` runs (shards) into one.
+
+Shards are runs of the same arms on disjoint requests, e.g. one per workload seed run side by
+side on a multi-core machine. Their per-request records are pooled and summarised again, so
+the merged means, CIs, percentiles, sweep points and paired comparisons are those of one run
+over all the requests. Storage is per run (each shard had its own caches): the merged value is
+the shards' mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cachecraft.bench.paired import paired_summary
+from cachecraft.bench.quality_summary import add_speedups, summarize_records, sweep_point
+from cachecraft.errors import BadRequestError
+
+
+def _merge_workload(name: str, shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    arms = [list((s.get("requests") or {}).keys()) for s in shards]
+    if not arms[0] or any(a != arms[0] for a in arms):
+        raise BadRequestError(f"workload {name!r}: the shards must run the same arms, got {arms}")
+    requests: dict[str, list[dict[str, Any]]] = {}
+    for arm in arms[0]:
+        pooled = [r for s in shards for r in s["requests"][arm]]
+        ids = [r["id"] for r in pooled]
+        if len(set(ids)) != len(ids):
+            raise BadRequestError(f"workload {name!r}: a request appears in two shards")
+        requests[arm] = pooled
+    summaries = {arm: summarize_records(recs) for arm, recs in requests.items()}
+    add_speedups(summaries)
+    modes = {}
+    for arm in shards[0].get("modes") or {}:
+        entry = summaries[arm]
+        for key in ("storage_bytes", "num_variants"):
+            values = [(s["modes"].get(arm) or {}).get(key) for s in shards]
+            values = [v for v in values if isinstance(v, int | float)]
+            entry[key] = sum(values) / len(values) if values else None
+        modes[arm] = entry
+    sweep: dict[str, list[dict[str, Any]]] = {}
+    for mode, points in (shards[0].get("sweep") or {}).items():
+        sweep[mode] = [sweep_point(p["arm"], p["param"], summaries[p["arm"]]) for p in points]
+    paired = paired_summary({m: requests[m] for m in modes})
+    return {"modes": modes, "sweep": sweep, "paired": paired, "requests": requests}
+
+
+def merge_results(results: Sequence[dict[str, Any]], sources: Sequence[str]) -> dict[str, Any]:
+    """One results dict (bench/report.py schema) from several with the same workloads."""
+    names = [list(r["workloads"]) for r in results]
+    if any(n != names[0] for n in names):
+        raise BadRequestError(f"the results hold different workloads: {names}")
+    config = dict(results[0].get("config") or {})
+    config["requests"] = sum(int((r.get("config") or {}).get("requests") or 0) for r in results)
+    config["merged_from"] = list(sources)
+    seeds = [(r.get("config") or {}).get("reuse", {}).get("seed") for r in results]
+    config["seeds"] = seeds
+    workloads = {
+        name: _merge_workload(name, [r["workloads"][name] for r in results]) for name in names[0]
+    }
+    return {"config": config, "workloads": workloads}
