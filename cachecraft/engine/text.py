@@ -40,11 +40,13 @@ class TextStream:
 
     def _held(self, text: str) -> int:
         """Length of the longest end of `text` that begins some stop string."""
-        return max(
-            (n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
-             if s.startswith(text[-n:])),
-            default=0,
-        )  # fmt: skip
+        held = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), held, -1):
+                if stop.startswith(text[-n:]):
+                    held = n
+                    break
+        return held
 
     def flush(self) -> str:
         """At the end: the text held back for a stop string that never came."""
