@@ -283,7 +283,6 @@ def main_store_bench(args: argparse.Namespace) -> int:
 
 def _tier_ttft(args: argparse.Namespace) -> dict[str, object]:
     """TTFT per tier on the first request of the sample workload (bundled model)."""
-    import shutil
     from pathlib import Path
 
     from cachecraft.bench.tier_ttft import run_tier_ttft
@@ -295,7 +294,7 @@ def _tier_ttft(args: argparse.Namespace) -> dict[str, object]:
     request = load_workload_file(sample)[0].request
     server = None
     url = args.redis_url
-    if url is None and shutil.which("redis-server"):
+    if url is None:
         server = RedisServer().start()
         url = server.url
     try:
