@@ -9,9 +9,9 @@ import torch
 from store_helpers import make_variant
 
 from cachecraft.store.base import ChunkStore
-from cachecraft.store.config import StoreConfig, make_store
+from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
-from cachecraft.store.store import TieredStore
+from cachecraft.store.store import TieredStore, make_store
 
 SIZE = 512
 

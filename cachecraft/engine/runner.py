@@ -31,7 +31,6 @@ from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
 from cachecraft.reuse.planner import plan_request
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.codec import CorruptVariantError
-from cachecraft.store.layers import TensorLayerReader
 from cachecraft.store.meta import VariantMeta
 from cachecraft.store.variant import Variant
 
@@ -77,7 +76,7 @@ class Runner:
         self.store = store
         self.reuse = reuse or ReuseConfig()
         self.prefix_cache = PrefixCache() if prefix_cache is None else prefix_cache
-        self.storage_dtype = DTYPES[self.reuse.storage_dtype]
+        self.storage_dtype = DTYPES[store.storage_dtype]
 
     # ---- planning -------------------------------------------------------------------------
     def plan(
@@ -137,12 +136,7 @@ class Runner:
         if cp.variant is None:
             return cp
         variant_id = cp.variant.variant_id
-        open_layers = getattr(self.store, "open_layers", None)
-        if open_layers is not None:
-            reader = open_layers(variant_id)
-        else:
-            variant = self.store.load(variant_id)
-            reader = None if variant is None else TensorLayerReader(variant.keys, variant.values)
+        reader = self.store.open_layers(variant_id)
         if reader is None:
             log.warning("variant %s vanished; computing chunk in full", variant_id)
             return ChunkPlan(slot=cp.slot, variant=None, recompute=tuple(range(cp.slot.num_tokens)))

@@ -78,8 +78,6 @@ class _CountRequests:
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     app = FastAPI(title="cachecraft", version="0.1.0")
-    if not isinstance(engine.runner.store, chunks.PinnedStore):
-        engine.runner.store = chunks.PinnedStore(engine.runner.store)  # pinning for /v1/chunks
     state = app.state
     state.engine, state.config = engine, config
     state.metrics = ServerMetrics(engine)
@@ -257,8 +255,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     # ---- operations -------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        tiers = await asyncio.to_thread(engine.runner.store.health)  # may ping Redis
         return {
             "status": "ok",
+            "tiers": {t.name: t._asdict() for t in tiers},
             "model": loaded.name,
             "mode": engine.config.mode,
             "num_waiting": engine.num_waiting,

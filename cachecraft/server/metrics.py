@@ -31,10 +31,7 @@ class _LiveCollector:
         running = GaugeMetricFamily("cachecraft_running_requests", "Requests holding a KV cache")
         running.add_metric([], e.num_running)
         yield running
-        stats_fn = getattr(e.runner.store, "stats", None)
-        if stats_fn is None:
-            return
-        st = stats_fn()
+        st = e.runner.store.stats()
         nbytes = GaugeMetricFamily(
             "cachecraft_store_bytes", "Bytes stored per tier", labels=["tier"]
         )
