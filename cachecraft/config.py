@@ -44,5 +44,3 @@ class ReuseConfig:
     cacheblend_check_layer: int = 1
     epic_k: int = 32
     seed: int = 0
-    storage_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    max_variants_per_chunk: int = 4

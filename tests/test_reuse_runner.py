@@ -12,6 +12,7 @@ from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError, ContextLengthError
 from cachecraft.llm import LLM
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.store.memory import MemoryStore
 
 DOCS = [
     "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889.",
@@ -32,7 +33,7 @@ def _run(llm: LLM, request: RagRequest, mode: str):
 
 @pytest.fixture
 def llm(tiny_dir: Path) -> LLM:
-    return LLM(str(tiny_dir), storage_dtype="float32")
+    return LLM(str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"))
 
 
 def test_cachecraft_with_cfo_one_equals_full(tiny_dir: Path) -> None:

@@ -29,8 +29,9 @@ from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel
 from cachecraft.reuse.planner import cachecraft_budgets
 from cachecraft.store.base import ChunkStore
-from cachecraft.store.config import StoreConfig, make_store
+from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
+from cachecraft.store.store import make_store
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,14 @@ SWEEP_GRID: dict[str, tuple[str, str, tuple[float, ...]]] = {
 at the budgets of the cachecraft point of the same alpha."""
 
 ABLATIONS: dict[str, dict[str, Any]] = {
+    # ReuseConfig fields, except STORE_FIELDS, which go to the arm's own store
     "cachecraft-no-et": {"early_termination": False},
     "cachecraft-one-variant": {"max_variants_per_chunk": 1},
     "cachecraft-no-order": {"use_order_penalty": False},
     "cachecraft-paper-empty": {"empty_s_old": "paper"},
 }
+STORE_FIELDS = frozenset({"max_variants_per_chunk"})
+"""Ablation fields that are store settings (StoreConfig), not reuse ones."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,8 @@ class Arm:
     config: ReuseConfig
     budget_from: str | None = None
     sweep: tuple[str, float] | None = None
+    max_variants_per_chunk: int = StoreConfig().max_variants_per_chunk
+    """The arm's store setting (StoreConfig.max_variants_per_chunk)."""
 
 
 @dataclass(slots=True)
@@ -143,9 +149,12 @@ def build_arms(
     if include_base:
         for name in names:
             mode = mode_of(name)
-            cfg = configs.get(name) or replace(base, **ABLATIONS.get(name, {}))
+            ablation = ABLATIONS.get(name, {})
+            reuse_fields = {k: v for k, v in ablation.items() if k not in STORE_FIELDS}
+            store_fields = {k: v for k, v in ablation.items() if k in STORE_FIELDS}
+            cfg = configs.get(name) or replace(base, **reuse_fields)
             src = "cachecraft" if match_budget and mode in MATCHED_MODES else None
-            arms.append(Arm(name, mode, cfg, src))
+            arms.append(Arm(name, mode, cfg, src, **store_fields))
     else:
         arms.append(Arm("full", "full", configs.get("full") or base))
     if sweep:
@@ -210,9 +219,9 @@ def _run_request(
 
 def _arm_store(arm: Arm, index: int, nbytes: int, config: StoreConfig | None) -> ChunkStore:
     if config is None:
-        return MemoryStore(nbytes, arm.config.max_variants_per_chunk)
+        return MemoryStore(nbytes, arm.max_variants_per_chunk)
     where = str(Path(config.cache_dir) / f"arm{index}") if config.cache_dir else None
-    cap = arm.config.max_variants_per_chunk
+    cap = arm.max_variants_per_chunk
     return make_store(replace(config, cache_dir=where, max_variants_per_chunk=cap))
 
 
@@ -262,7 +271,7 @@ def run_arms(
     bar = tqdm(total=len(items), desc="bench quality", file=sys.stderr, disable=not progress)
     with torch.inference_mode(), bar:
         if shared_warmup and warmup:
-            seed = Runner(loaded, MemoryStore(store_bytes, arms[0].config.max_variants_per_chunk))
+            seed = Runner(loaded, MemoryStore(store_bytes, arms[0].max_variants_per_chunk))
             for item in items[:warmup]:
                 bar.set_postfix_str("shared warm-up")
                 _warm_all_chunks(seed, item)

@@ -7,6 +7,7 @@ the base URL (tests, benchmarks); `serve(...)` runs it in the foreground (`cache
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
@@ -19,16 +20,18 @@ import uvicorn
 from cachecraft.config import ReuseConfig
 from cachecraft.engine.engine import Engine, EngineConfig
 from cachecraft.engine.runner import Runner
+from cachecraft.errors import CachecraftError
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server.app import create_app
 from cachecraft.server.config import ServerConfig
-from cachecraft.store.config import StoreConfig, make_store
+from cachecraft.store.config import StoreConfig
+from cachecraft.store.store import make_store
 
 log = logging.getLogger(__name__)
 
 
 def build_engine(
-    mode: str = "cachecraft",
+    mode: str | None = None,
     *,
     model: str | None = None,
     loaded: LoadedModel | None = None,
@@ -36,22 +39,23 @@ def build_engine(
     store: StoreConfig | None = None,
     engine: EngineConfig | None = None,
 ) -> Engine:
-    """A started Engine for `mode` (the server default; requests may override it)."""
-    loaded = loaded or load_model(model)
-    reuse = reuse or ReuseConfig()
-    store = store or StoreConfig(max_variants_per_chunk=reuse.max_variants_per_chunk)
+    """A started Engine for `mode` (the server default; requests may override it). `mode` and
+    `engine.mode` are one setting: giving two different values is an error."""
+    if model is not None and loaded is not None:
+        raise ValueError("give the model once: `model` (a path) or `loaded`, not both")
     config = engine or EngineConfig()
-    if config.mode != mode:
-        config = EngineConfig(config.token_budget, config.max_running, config.max_queue, mode)
-    runner = Runner(loaded, make_store(store), reuse)
+    if mode is not None and mode != config.mode:
+        if engine is not None and config.mode != EngineConfig().mode:
+            raise ValueError(f"mode given twice: {mode!r} and engine.mode={config.mode!r}")
+        config = dataclasses.replace(config, mode=mode)
+    loaded = loaded or load_model(model)
+    runner = Runner(loaded, make_store(store or StoreConfig()), reuse or ReuseConfig())
     return Engine(runner, config).start()
 
 
 def close_engine(engine: Engine) -> None:
     engine.stop()
-    close = getattr(engine.runner.store, "close", None)
-    if close is not None:
-        close()
+    engine.runner.store.close()
 
 
 def _uvicorn(app: Any, log_level: str) -> uvicorn.Server:
@@ -61,7 +65,7 @@ def _uvicorn(app: Any, log_level: str) -> uvicorn.Server:
 
 @contextlib.contextmanager
 def start_server(
-    mode: str = "cachecraft",
+    mode: str | None = None,
     *,
     server: ServerConfig | None = None,
     log_level: str = "warning",
@@ -93,7 +97,7 @@ def start_server(
 
 
 def serve(
-    mode: str = "cachecraft",
+    mode: str | None = None,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -101,13 +105,25 @@ def serve(
     log_level: str = "info",
     **engine_kw: Any,
 ) -> None:
-    """Serve in the foreground until interrupted."""
+    """Serve in the foreground until interrupted (SIGINT or SIGTERM). `port=0` takes a free
+    port; the log line "serving ... on http://HOST:PORT" names the one bound."""
     engine = build_engine(mode, **engine_kw)
     app = create_app(engine, server)
     loaded = engine.runner.loaded
-    log.info("serving %s (mode %s) on http://%s:%d", loaded.name, mode, host, port)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        uvicorn.Server(config).run()
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        close_engine(engine)
+        raise CachecraftError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    bound = sock.getsockname()[1]
+    log.info("serving %s (mode %s) on http://%s:%d", loaded.name, engine.config.mode, host, bound)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off")
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         close_engine(engine)
