@@ -1,6 +1,6 @@
-"""Frozen configuration dataclasses; every CLI flag and server option maps to one field here.
-
-No environment variables are read anywhere else in the library.
+"""ReuseConfig (the planner's knobs) and the modes. The other settings live with their owner:
+StoreConfig (store/config.py), EngineConfig (engine/engine.py), ServerConfig (server/config.py);
+the model is chosen by path (`load_model`). Environment variables: env.py.
 """
 
 from __future__ import annotations
@@ -10,15 +10,6 @@ from typing import Literal
 
 Mode = Literal["full", "prefix", "naive", "cacheblend", "epic", "random", "cachecraft"]
 MODES: tuple[str, ...] = ("full", "prefix", "naive", "cacheblend", "epic", "random", "cachecraft")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Which model to run and how. `model=None` means the bundled SmolLM2-135M-Instruct."""
-
-    model: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
 
 
 @dataclass(frozen=True, slots=True)

@@ -176,3 +176,12 @@ def test_teacher_forced_logits_of_full_follow_its_own_answer(llm: LLM) -> None:
     assert tf.argmax(-1).tolist() == full.token_ids
     assert again.token_ids == full.token_ids
     assert torch.isfinite(tf).all()
+
+
+def test_a_store_setting_given_as_a_reuse_option_is_an_error(tiny_dir: Path) -> None:
+    from cachecraft.errors import BadRequestError
+
+    with pytest.raises(BadRequestError, match="storage_dtype: a store setting"):
+        LLM(str(tiny_dir), storage_dtype="float32")
+    with pytest.raises(BadRequestError, match="max_variants_per_chunk"):
+        LLM(str(tiny_dir), max_variants_per_chunk=2)

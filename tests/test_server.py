@@ -308,3 +308,14 @@ def wait_until(predicate, timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def test_a_setting_given_twice_is_an_error() -> None:
+    from cachecraft.server.launch import build_engine
+
+    with pytest.raises(ValueError, match="mode given twice"):
+        build_engine("full", engine=EngineConfig(mode="prefix"))
+    with pytest.raises(ValueError, match="give the model once"):
+        build_engine(model="x", loaded=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        EngineConfig(512, 1, 1)  # type: ignore[misc]  # keyword only

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -457,7 +458,9 @@ class TieredStore:
     def health(self) -> list[TierHealth]:
         out = [TierHealth(t.name, True, len(t), t.nbytes) for t in self.ram]
         if self.disk is not None:
-            out.append(TierHealth("disk", self.disk.root.is_dir(), len(self.disk), 0))
+            ok = os.access(self.disk.root, os.W_OK)
+            n, nbytes = (len(self.disk), self.disk.nbytes) if ok else (0, 0)
+            out.append(TierHealth("disk", ok, n, nbytes))
         if self.redis is not None:
             up = self.redis.is_reachable
             n, nbytes = (len(self.redis), self.redis.nbytes) if up else (0, 0)
