@@ -311,11 +311,11 @@ def wait_until(predicate, timeout: float = 30.0) -> None:
 
 
 def test_a_setting_given_twice_is_an_error() -> None:
-    from cachecraft.server.launch import build_engine
+    from cachecraft.server.launch import build_stack
 
     with pytest.raises(ValueError, match="mode given twice"):
-        build_engine("full", engine=EngineConfig(mode="prefix"))
+        build_stack("full", engine=EngineConfig(mode="prefix"))
     with pytest.raises(ValueError, match="give the model once"):
-        build_engine(model="x", loaded=object())  # type: ignore[arg-type]
+        build_stack(model="x", loaded=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         EngineConfig(512, 1, 1)  # type: ignore[misc]  # keyword only

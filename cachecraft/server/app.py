@@ -1,4 +1,5 @@
-"""create_app(engine, config): the OpenAI-compatible FastAPI app, kept thin.
+"""create_app(engine, store, config): the OpenAI-compatible FastAPI app, kept thin. It uses the
+store it is given (the one the engine's runner was built with) and never reaches into the engine.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/chunks (POST, GET, DELETE),
 /health, /metrics. Errors map to OpenAI-shaped bodies: 400 bad input, 401 bad key, 404 unknown
@@ -32,6 +33,7 @@ from cachecraft.server.protocol import (
     Document,
     error_body,
 )
+from cachecraft.store.base import ChunkStore
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +77,12 @@ class _CountRequests:
         await self.app(scope, receive, counting_send)
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: Engine, store: ChunkStore, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     app = FastAPI(title="cachecraft", version="0.1.0")
     state = app.state
     state.engine, state.config = engine, config
-    state.metrics = ServerMetrics(engine)
+    state.metrics = ServerMetrics(engine, store)
     state.registry = chunks.ChunkRegistry()
     loaded = engine.runner.loaded
     model_names = {loaded.name, *config.model_aliases}
@@ -225,7 +227,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         check_documents(body.documents)
         scope = scoped(ns, body.cache_namespace)
         docs = [(d.text, d.id) for d in body.documents]
-        store = engine.runner.store
         rows = await chunks.precompute_async(
             engine, store, state.registry, docs, scope, body.system, body.pin
         )
@@ -236,7 +237,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         ns: str = Depends(namespace), cache_namespace: str | None = None
     ) -> dict[str, Any]:
         scope = scoped(ns, cache_namespace)
-        return chunks.list_chunks(engine.runner.store, state.registry, scope)
+        return chunks.list_chunks(store, state.registry, scope)
 
     @app.delete("/v1/chunks/{chunk_key}")
     async def delete_chunk(
@@ -247,7 +248,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             raise ApiError(
                 404, f"chunk {chunk_key} not found in this namespace", "invalid_request_error"
             )
-        store = engine.runner.store
         removed = await asyncio.wrap_future(engine.call(lambda: store.remove(chunk_key)))
         state.registry.discard(scope, chunk_key)
         return {"chunk_key": chunk_key, "deleted": True, "num_variants": removed}
@@ -255,7 +255,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     # ---- operations -------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        tiers = await asyncio.to_thread(engine.runner.store.health)  # may ping Redis
+        tiers = await asyncio.to_thread(store.health)  # may ping Redis
         return {
             "status": "ok",
             "tiers": {t.name: t._asdict() for t in tiers},

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import uvicorn
 
@@ -24,13 +24,22 @@ from cachecraft.errors import CachecraftError
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server.app import create_app
 from cachecraft.server.config import ServerConfig
+from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.store import make_store
 
 log = logging.getLogger(__name__)
 
 
-def build_engine(
+class Stack(NamedTuple):
+    """What `build_stack` built: the started engine and the store its runner uses (the app gets
+    the store from here, never from inside the engine)."""
+
+    engine: Engine
+    store: ChunkStore
+
+
+def build_stack(
     mode: str | None = None,
     *,
     model: str | None = None,
@@ -38,9 +47,10 @@ def build_engine(
     reuse: ReuseConfig | None = None,
     store: StoreConfig | None = None,
     engine: EngineConfig | None = None,
-) -> Engine:
-    """A started Engine for `mode` (the server default; requests may override it). `mode` and
-    `engine.mode` are one setting: giving two different values is an error."""
+) -> Stack:
+    """A started Engine for `mode` (the server default; requests may override it) over a store
+    built from `store`. `mode` and `engine.mode` are one setting: two different values are an
+    error; so are both `model` and `loaded`."""
     if model is not None and loaded is not None:
         raise ValueError("give the model once: `model` (a path) or `loaded`, not both")
     config = engine or EngineConfig()
@@ -49,13 +59,14 @@ def build_engine(
             raise ValueError(f"mode given twice: {mode!r} and engine.mode={config.mode!r}")
         config = dataclasses.replace(config, mode=mode)
     loaded = loaded or load_model(model)
-    runner = Runner(loaded, make_store(store or StoreConfig()), reuse or ReuseConfig())
-    return Engine(runner, config).start()
+    chunk_store = make_store(store or StoreConfig())
+    runner = Runner(loaded, chunk_store, reuse or ReuseConfig())
+    return Stack(Engine(runner, config).start(), chunk_store)
 
 
-def close_engine(engine: Engine) -> None:
-    engine.stop()
-    engine.runner.store.close()
+def close_stack(stack: Stack) -> None:
+    stack.engine.stop()
+    stack.store.close()
 
 
 def _uvicorn(app: Any, log_level: str) -> uvicorn.Server:
@@ -72,9 +83,9 @@ def start_server(
     **engine_kw: Any,
 ) -> Iterator[str]:
     """Serve on 127.0.0.1:<free port> in a thread; yields "http://127.0.0.1:PORT".
-    engine_kw go to `build_engine` (model, loaded, reuse, store, engine)."""
-    engine = build_engine(mode, **engine_kw)
-    app = create_app(engine, server)
+    engine_kw go to `build_stack` (model, loaded, reuse, store, engine)."""
+    stack = build_stack(mode, **engine_kw)
+    app = create_app(stack.engine, stack.store, server)
     uv = _uvicorn(app, log_level)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -93,7 +104,7 @@ def start_server(
         uv.should_exit = True
         thread.join(10)
         sock.close()
-        close_engine(engine)
+        close_stack(stack)
 
 
 def serve(
@@ -107,8 +118,9 @@ def serve(
 ) -> None:
     """Serve in the foreground until interrupted (SIGINT or SIGTERM). `port=0` takes a free
     port; the log line "serving ... on http://HOST:PORT" names the one bound."""
-    engine = build_engine(mode, **engine_kw)
-    app = create_app(engine, server)
+    stack = build_stack(mode, **engine_kw)
+    engine = stack.engine
+    app = create_app(engine, stack.store, server)
     loaded = engine.runner.loaded
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -117,7 +129,7 @@ def serve(
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        close_engine(engine)
+        close_stack(stack)
         raise CachecraftError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     bound = sock.getsockname()[1]
     log.info("serving %s (mode %s) on http://%s:%d", loaded.name, engine.config.mode, host, bound)
@@ -126,4 +138,4 @@ def serve(
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
-        close_engine(engine)
+        close_stack(stack)
