@@ -355,6 +355,11 @@ class TieredStore:
         with self._lock:
             self._stats.evictions["disk:capacity"] += len(evicted)
             self.eviction_log.extend(("disk", v, "capacity") for v in evicted)
+            gone = [v for v in evicted if self.redis is None and not self._is_local(v)]
+            for v in gone:  # nowhere any more: its statistics go too
+                self._stats_by_id.pop(v, None)
+        for v in gone:
+            self.tally.forget(v)
         return True
 
     def _enforce_chunk_cap(self, st: VariantStats) -> bool:
