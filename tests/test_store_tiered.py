@@ -24,7 +24,10 @@ def test_make_store_builds_the_configured_tiers(tmp_path: Path) -> None:
     plain = make_store(StoreConfig())
     assert isinstance(plain, TieredStore) and plain.disk is None
     as_protocol: list[ChunkStore] = [store, MemoryStore(1024)]
-    assert all(hasattr(s, "record_miss") for s in as_protocol)
+    declared = {n for n in vars(ChunkStore) if not n.startswith("_")}
+    assert {"variants", "load", "offer", "pin", "health", "close"} <= declared
+    for s in as_protocol:  # every declared member is implemented
+        assert all(callable(getattr(s, n)) or n == "storage_dtype" for n in declared)
 
 
 def test_prefetch_brings_disk_variants_into_memory(tmp_path: Path) -> None:
