@@ -71,6 +71,9 @@ def test_hit_statistics_are_shared_through_redis(redis_server: RedisServer) -> N
     assert shared is not None and shared.hits == 4  # three hits in one, one in the other
     assert abs(shared.cfo_sum - 1.0) < 1e-9
     assert one.tally.now() == two.tally.now()  # one logical clock for both
+    client = one.redis.client  # type: ignore[union-attr]
+    for key in ("shared:tally:sight:c", f"shared:tally:hs:{v.variant_id}"):
+        assert 0 < client.ttl(key) <= StoreConfig().shared_ttl_s  # bounded: they expire
 
 
 def test_redis_down_counts_locally_without_errors(redis_server: RedisServer) -> None:

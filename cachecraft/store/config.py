@@ -31,6 +31,10 @@ class StoreConfig:
     doorkeeper_threshold: int = 2
     """A chunk's variant is admitted once the chunk was seen this many times (<= 1: always)."""
     doorkeeper_size: int = 65536
+    """Chunk keys whose sightings are remembered (locally and in the SQLite tally)."""
+    shared_ttl_s: float = 7 * 86400.0
+    """In Redis, a chunk's sightings and a variant's hit statistics expire this long after
+    their last update (bounds what the shared tally keeps)."""
     max_variants_per_chunk: int = 4
     """Variants kept per chunk (different S_old); the least valuable goes past it."""
     storage_dtype: Literal["float16", "bfloat16", "float32"] = "float16"

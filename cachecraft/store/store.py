@@ -84,7 +84,7 @@ class TieredStore:
         if self.redis is not None:
             return RedisTally(
                 self.redis.client, cfg.redis_prefix + "tally:", cfg.doorkeeper_size,
-                backoff_s=cfg.redis_backoff_s,
+                backoff_s=cfg.redis_backoff_s, ttl_s=cfg.shared_ttl_s,
             )  # fmt: skip
         if self.disk is not None:
             return SqliteTally(self.disk.root, cfg.doorkeeper_size)

@@ -193,17 +193,24 @@ class SqliteTally:
 
 
 class RedisTally:
-    """Keys under `prefix`: `sight` (hash chunk -> count), `clock` (a counter) and
-    `hs:<variant id>` (hash of VariantStats fields). Errors fall back to `local` until the
-    client's next successful call; nothing is raised."""
+    """Keys under `prefix`: `sight:<chunk key>` (a counter), `clock` (a counter) and
+    `hs:<variant id>` (hash of VariantStats fields). Sightings and statistics expire `ttl_s`
+    after their last update, which bounds what Redis keeps. Errors fall back to `local` for
+    `backoff_s`; nothing is raised."""
 
     is_shared = True
 
     def __init__(
-        self, client: redis.Redis, prefix: str, max_keys: int = 65536, backoff_s: float = 1.0
+        self,
+        client: redis.Redis,
+        prefix: str,
+        max_keys: int = 65536,
+        backoff_s: float = 1.0,
+        ttl_s: float = 7 * 86400,
     ) -> None:
         self.client = client
         self.prefix = prefix
+        self.ttl_s = max(1, int(ttl_s))
         self.local = LocalTally(max_keys)
         self.backoff_s = backoff_s
         self.is_down = False
@@ -225,17 +232,20 @@ class RedisTally:
         return out
 
     def sight(self, chunk_key: str) -> int:
-        return int(
-            self._call(
-                lambda: self.client.hincrby(self.prefix + "sight", chunk_key, 1),
-                lambda: self.local.sight(chunk_key),
-            )
-        )
+        key = self.prefix + "sight:" + chunk_key
+
+        def bump() -> int:
+            pipe = self.client.pipeline()
+            pipe.incr(key)
+            pipe.expire(key, self.ttl_s)
+            return int(pipe.execute()[0])
+
+        return int(self._call(bump, lambda: self.local.sight(chunk_key)))
 
     def sightings(self, chunk_key: str) -> int:
         return int(
             self._call(
-                lambda: self.client.hget(self.prefix + "sight", chunk_key) or 0,
+                lambda: self.client.get(self.prefix + "sight:" + chunk_key) or 0,
                 lambda: self.local.sightings(chunk_key),
             )
         )
@@ -268,8 +278,15 @@ class RedisTally:
             "hits": s.hits, "cfo_sum": s.cfo_sum, "freq": s.freq, "last_tick": s.last_tick,
         }  # fmt: skip
         self.local.save(s)
-        self._call(lambda: self.client.hset(self.prefix + "hs:" + s.variant_id, mapping=mapping),
-                   lambda: None)  # fmt: skip
+        key = self.prefix + "hs:" + s.variant_id
+
+        def write() -> None:
+            pipe = self.client.pipeline()
+            pipe.hset(key, mapping=mapping)
+            pipe.expire(key, self.ttl_s)
+            pipe.execute()
+
+        self._call(write, lambda: None)
 
     def forget(self, variant_id: str) -> None:
         self.local.forget(variant_id)
