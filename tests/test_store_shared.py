@@ -86,3 +86,10 @@ def test_redis_down_counts_locally_without_errors(redis_server: RedisServer) -> 
     store.record_miss("d")
     assert [h.is_reachable for h in store.health() if h.name == "redis"] == [False]
     assert store.variants("d") == []
+
+
+def test_would_admit_counts_every_process_sightings(tmp_path: Path) -> None:
+    one, two = _disk_store(tmp_path), _disk_store(tmp_path)
+    assert not one.would_admit("e")  # never seen: this miss would be the first sighting
+    two.record_miss("e")
+    assert one.would_admit("e")  # seen once elsewhere: this miss makes two

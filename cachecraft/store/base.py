@@ -50,6 +50,12 @@ class ChunkStore(Protocol):
         decides. Returns True if at least one tier stored it."""
         ...
 
+    def would_admit(self, chunk_key: str) -> bool:
+        """Would admission let in a variant of `chunk_key` offered by a request that misses it
+        now (its miss counted)? Cheap; the prefill skips attention statistics for chunks that
+        would be turned away. Space may still refuse it later."""
+        ...
+
     def record_hit(self, variant_id: str, cfo: float) -> None:
         """A request reused this variant, recomputing a fraction `cfo` of its tokens (feeds the
         eviction policy; shared with other processes when the store is)."""
