@@ -186,6 +186,7 @@ def test_pinned_variant_survives_eviction_until_removed() -> None:
     assert got is not None and torch.equal(got.keys, pinned.keys)
     assert store.pinned_chunk_keys() == {"p"}
     assert store.stats().num_variants["pinned"] == 1
+    assert store.pinned_nbytes({"p", "o"}) == SIZE and store.pinned_nbytes({"o"}) == 0
     assert store.remove("p") == 1
     assert store.variants("p") == [] and store.pinned_chunk_keys() == set()
     store.check_integrity()

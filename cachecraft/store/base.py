@@ -85,6 +85,10 @@ class ChunkStore(Protocol):
         """Chunk keys with at least one pinned variant."""
         ...
 
+    def pinned_nbytes(self, chunk_keys: set[str]) -> int:
+        """Bytes pinned for variants of these chunk keys (one tenant's share)."""
+        ...
+
     def remove(self, chunk_key: str) -> int:
         """Unpin and drop every variant of `chunk_key` from every tier; returns how many
         variant ids were dropped (0 if none)."""

@@ -491,6 +491,10 @@ class TieredStore:
         with self._lock:
             return {v.chunk_key for v in self._pinned.values()}
 
+    def pinned_nbytes(self, chunk_keys: set[str]) -> int:
+        with self._lock:
+            return sum(v.nbytes for v in self._pinned.values() if v.chunk_key in chunk_keys)
+
     def __len__(self) -> int:
         ids = {v for t in self.ram for v in t.ids()}
         if self.disk is not None:
