@@ -13,6 +13,8 @@ from typing import Any
 from cachecraft.config import ReuseConfig
 from cachecraft.errors import BadRequestError
 
+STORE_SETTINGS = frozenset({"storage_dtype", "max_variants_per_chunk"})
+"""Settings that were once reuse options and now belong to StoreConfig (a clear error)."""
 DEFAULT_CONFIG_PATH = Path("cachecraft.json")
 """Where `cachecraft calibrate` writes and every command looks by default (the working dir)."""
 
@@ -57,6 +59,12 @@ def load_reuse_overrides(path: str | Path | None = None) -> dict[str, Any]:
         raise BadRequestError("config file: 'reuse' must be an object")
     known = {f.name for f in dataclasses.fields(ReuseConfig)}
     unknown = sorted(set(reuse) - known)
+    moved = [k for k in unknown if k in STORE_SETTINGS]
+    if moved:
+        raise BadRequestError(
+            f"config file: {', '.join(moved)} is a store setting, not a reuse one "
+            f"(give it to the store, e.g. `cachecraft serve --{moved[0].replace('_', '-')}`)"
+        )
     if unknown:
         raise BadRequestError(f"config file: unknown reuse option(s) {unknown}")
     return dict(reuse)
