@@ -4,6 +4,7 @@ override the file; the environment is read in env.py only."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,10 @@ def test_cache_home_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
 def test_only_env_py_reads_the_environment() -> None:
     root = Path(cachecraft.__file__).parent
+    reading = re.compile(r"os\.environ(\.get|\.setdefault|\.pop|\[)|getenv|putenv")
     readers = sorted(
         str(p.relative_to(root))
         for p in root.rglob("*.py")
-        if "os.environ" in p.read_text(encoding="utf-8") or "getenv" in p.read_text("utf-8")
+        if reading.search(p.read_text(encoding="utf-8"))
     )
-    # the vLLM peer hands the whole environment on to its child process
-    assert readers == ["bench/peer_vllm.py", "env.py"]
+    assert readers == ["env.py"]  # (child processes may be handed the whole environment)
