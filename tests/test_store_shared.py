@@ -93,3 +93,26 @@ def test_would_admit_counts_every_process_sightings(tmp_path: Path) -> None:
     assert not one.would_admit("e")  # never seen: this miss would be the first sighting
     two.record_miss("e")
     assert one.would_admit("e")  # seen once elsewhere: this miss makes two
+
+
+def test_a_failing_tally_file_counts_locally_and_recovers(tmp_path: Path) -> None:
+    import resource
+    import signal
+
+    from cachecraft.store.tally import SqliteTally
+
+    tally = SqliteTally(tmp_path, retry_s=0.0)
+    for i in range(200):  # the file exists and holds rows before the fault
+        tally.sight(f"warm{i}")
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1, hard))  # every write that grows a file fails
+    try:
+        counts = [tally.sight(f"new{i}") for i in range(300)]  # the file cannot grow: no raise
+        assert tally.is_failed and counts == [1] * 300  # counted locally
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert tally.sight("after") == 1 and not tally.is_failed  # the file works again
+    tally.close()
+    assert tally.sight("closed") == 1  # after close: local, never an error

@@ -10,6 +10,7 @@ never raises). It counts; the policy and the doorkeeper decide.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import threading
@@ -123,29 +124,64 @@ CREATE TABLE IF NOT EXISTS hit_stats (variant_id TEXT PRIMARY KEY, chunk_key TEX
 
 class SqliteTally:
     """`tally.sqlite` in `root` (WAL; every statement its own transaction). Several processes
-    on one machine share it; sightings beyond `max_keys` drop the least recently seen."""
+    on one machine share it; sightings beyond `max_keys` drop the least recently seen. A failing
+    file (disk full, I/O error, directory gone) is logged and this process counts locally for
+    `retry_s` before it tries the file again; nothing is raised."""
 
     is_shared = True
 
-    def __init__(self, root: str | Path, max_keys: int = 65536) -> None:
+    def __init__(self, root: str | Path, max_keys: int = 65536, retry_s: float = 5.0) -> None:
         self.path = Path(root) / "tally.sqlite"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_keys = max_keys
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(
-            self.path, timeout=30.0, check_same_thread=False, isolation_level=None
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self.local = LocalTally(max_keys)
+        self.retry_s = retry_s
+        self.is_failed = False
+        self._retry_at = 0.0
+        self._closed = False
         self._num_sighted = 0
+        self._db: sqlite3.Connection | None = None
+        try:
+            self._db = sqlite3.connect(
+                self.path, timeout=30.0, check_same_thread=False, isolation_level=None
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA busy_timeout=30000")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except (sqlite3.Error, OSError) as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.is_failed:
+            logger.warning("shared tally %s unusable (%s): counting locally", self.path, exc)
+        self.is_failed = True
+        self._retry_at = time.monotonic() + self.retry_s
 
     def _one(self, sql: str, args: tuple = ()) -> tuple | None:
+        """One statement's first row; raises _Failed once the file is unusable."""
         with self._lock:
-            return self._db.execute(sql, args).fetchone()
+            if self._db is None or self._closed:
+                raise _Failed
+            if self.is_failed and time.monotonic() < self._retry_at:
+                raise _Failed
+            try:
+                row = self._db.execute(sql, args).fetchone()
+            except sqlite3.Error as exc:
+                self._fail(exc)
+                raise _Failed from None
+            if self.is_failed:
+                logger.info("shared tally %s usable again", self.path)
+                self.is_failed = False
+            return row
 
     def sight(self, chunk_key: str) -> int:
+        try:
+            return self._sight(chunk_key)
+        except _Failed:
+            return self.local.sight(chunk_key)
+
+    def _sight(self, chunk_key: str) -> int:
         row = self._one(
             "INSERT INTO sightings VALUES (?, 1, ?) ON CONFLICT(chunk_key) DO UPDATE SET "
             "count = count + 1, seen = excluded.seen RETURNING count",
@@ -161,35 +197,55 @@ class SqliteTally:
         return int(row[0]) if row else 1
 
     def sightings(self, chunk_key: str) -> int:
-        row = self._one("SELECT count FROM sightings WHERE chunk_key=?", (chunk_key,))
+        try:
+            row = self._one("SELECT count FROM sightings WHERE chunk_key=?", (chunk_key,))
+        except _Failed:
+            return self.local.sightings(chunk_key)
         return int(row[0]) if row else 0
 
     def tick(self) -> float:
-        row = self._one("UPDATE clock SET tick = tick + 1 WHERE id = 0 RETURNING tick")
+        try:
+            row = self._one("UPDATE clock SET tick = tick + 1 WHERE id = 0 RETURNING tick")
+        except _Failed:
+            return self.local.tick()
         return float(row[0]) if row else 0.0
 
     def now(self) -> float:
-        row = self._one("SELECT tick FROM clock WHERE id = 0")
+        try:
+            row = self._one("SELECT tick FROM clock WHERE id = 0")
+        except _Failed:
+            return self.local.now()
         return float(row[0]) if row else 0.0
 
     def stats_of(self, variant_id: str) -> VariantStats | None:
-        row = self._one("SELECT * FROM hit_stats WHERE variant_id=?", (variant_id,))
+        try:
+            row = self._one("SELECT * FROM hit_stats WHERE variant_id=?", (variant_id,))
+        except _Failed:
+            return self.local.stats_of(variant_id)
         return VariantStats(*row) if row else None
 
     def save(self, stats: VariantStats) -> None:
         s = stats
-        self._one(
-            "INSERT OR REPLACE INTO hit_stats VALUES (?,?,?,?,?,?,?,?)",
-            (s.variant_id, s.chunk_key, s.num_tokens, s.nbytes, s.hits, s.cfo_sum, s.freq,
-             s.last_tick),
-        )  # fmt: skip
+        try:
+            self._one(
+                "INSERT OR REPLACE INTO hit_stats VALUES (?,?,?,?,?,?,?,?)",
+                (s.variant_id, s.chunk_key, s.num_tokens, s.nbytes, s.hits, s.cfo_sum, s.freq,
+                 s.last_tick),
+            )  # fmt: skip
+        except _Failed:
+            self.local.save(s)
 
     def forget(self, variant_id: str) -> None:
-        self._one("DELETE FROM hit_stats WHERE variant_id=?", (variant_id,))
+        self.local.forget(variant_id)
+        with contextlib.suppress(_Failed):
+            self._one("DELETE FROM hit_stats WHERE variant_id=?", (variant_id,))
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            self._closed = True  # later calls count locally instead of raising
+            if self._db is not None:
+                self._db.close()
+                self._db = None
 
 
 class RedisTally:
@@ -294,6 +350,10 @@ class RedisTally:
 
     def close(self) -> None:
         pass
+
+
+class _Failed(Exception):
+    """The SQLite tally's file is unusable; the caller falls back to its local tally."""
 
 
 def _copy(st: VariantStats) -> VariantStats:
