@@ -132,8 +132,11 @@ def test_sweep_has_a_point_per_parameter(tiny: LoadedModel) -> None:
             assert {"computed_fraction", "tf_kl", "rouge_l"} <= set(p)
     cc = sweep["cachecraft"]
     assert cc[0]["computed_fraction"] <= cc[1]["computed_fraction"]
-    for c, r in zip(cc, sweep["random"], strict=True):  # random at cachecraft's budgets
-        assert r["computed_fraction"] == pytest.approx(c["computed_fraction"])
+    # random at cachecraft's budgets, its probe's rows added where the reused chunks have room
+    # (at alpha 2 they are recomputed whole: no room, so random computes less)
+    low, high = zip(cc, sweep["random"], strict=True)
+    assert low[1]["computed_fraction"] == pytest.approx(low[0]["computed_fraction"])
+    assert high[1]["computed_fraction"] <= high[0]["computed_fraction"] + 1e-9
 
 
 def test_arms_order_ablations_and_budget_source() -> None:

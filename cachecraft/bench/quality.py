@@ -27,7 +27,7 @@ from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel
-from cachecraft.reuse.planner import cachecraft_budgets
+from cachecraft.reuse.planner import matched_budgets
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig, make_store
 from cachecraft.store.memory import MemoryStore
@@ -35,7 +35,7 @@ from cachecraft.store.memory import MemoryStore
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_BYTES = 1 << 30
-MATCHED_MODES: tuple[str, ...] = ("random", "cacheblend", "epic")
+MATCHED_MODES: tuple[str, ...] = ("random", "cacheblend", "epic", "prophet")
 """Modes that take cachecraft's per-request recompute budgets under `match_budget`."""
 
 SWEEP_GRID: dict[str, tuple[str, str, tuple[float, ...]]] = {
@@ -200,7 +200,9 @@ def _run_request(
         forced = ref.token_ids if measure else None
         got = answer(run.runner, item.request, sampling, arm.mode, budgets=given, forced=forced)
         if arm.mode == "cachecraft":
-            budgets[arm.name] = cachecraft_budgets(got.plan)
+            # The baselines get as many tokens in all as cachecraft computed, its probe's
+            # rows included (spread over the reused chunks).
+            budgets[arm.name] = matched_budgets(got.plan, extra=got.report.probe_tokens)
         if shape is not None:
             run.records.append(_compare(item, ref, got, shape))
         del got

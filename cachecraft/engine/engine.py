@@ -217,7 +217,7 @@ class Engine:
         # n output tokens need n - 1 fed back in: positions up to num_tokens + n - 2 < max_ctx.
         max_tokens = min(live.sampling.max_tokens, max_ctx - layout.num_tokens + 1)
         live.plan = plan
-        live.state = SeqState(rid, layout.num_tokens, _num_rows(self.runner, plan), max_tokens)
+        live.state = SeqState(rid, layout.num_tokens, plan.num_rows, max_tokens)
         live.generator = make_generator(live.sampling)
         eos = () if live.sampling.ignore_eos else self.runner.loaded.eos_token_ids
         live.stops = frozenset((*eos, *live.sampling.stop_token_ids))
@@ -326,14 +326,3 @@ class Engine:
             report = live.outcome.report if live.outcome is not None else None
             live.handle.push(Finished(reason, out, report))
         return live
-
-
-def _num_rows(runner: Runner, plan: RecomputePlan) -> int:
-    """Prompt positions the prefill will compute (what `Runner.start` will select)."""
-    layout = plan.layout
-    prefix_cached = plan.mode != "full" and runner.prefix_cache.get(layout.prefix_key) is not None
-    rows = 0 if prefix_cached else layout.prefix_len
-    for cp in plan.chunks:
-        full = cp.variant is None or cp.deviation_budget is not None
-        rows += cp.slot.num_tokens if full else len(cp.recompute)
-    return rows + len(layout.question_ids)
