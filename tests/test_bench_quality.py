@@ -147,10 +147,22 @@ def test_arms_order_ablations_and_budget_source() -> None:
     assert set(ABLATIONS) <= set(names)
     by_name = {a.name: a for a in arms}
     assert by_name["random"].budget_from == "cachecraft"
-    assert not by_name["cachecraft-no-et"].config.early_termination
+    assert not by_name["cachecraft-no-focus"].config.early_termination
     assert by_name["cachecraft-one-variant"].config.max_variants_per_chunk == 1
     assert not by_name["cachecraft-no-order"].config.use_order_penalty
-    assert by_name["cachecraft-paper-empty"].config.empty_s_old == "paper"
+    assert by_name["cachecraft-empty-paper"].config.empty_s_old == "paper"
+    assert by_name["cachecraft-global"].config.probe_split == "global"
+    assert by_name["cachecraft-global"].mode == "cachecraft"
+    blend = by_name["cacheblend-global"]
+    assert blend.mode == "cacheblend" and blend.config.cacheblend_global
+    assert blend.budget_from == "cachecraft"
+    paper = build_arms(["cachecraft-paper", "prophet"])
+    assert [(a.name, a.mode) for a in paper][1:] == [
+        ("cachecraft", "cachecraft"),
+        ("cachecraft-paper", "cachecraft-paper"),
+        ("prophet", "prophet"),
+    ]
+    assert paper[-1].budget_from == "cachecraft" and paper[2].budget_from is None
     own = build_arms(["epic"], match_budget=False)
     assert [a.name for a in own] == ["full", "epic"] and own[1].budget_from is None
     with pytest.raises(BadRequestError, match="unknown mode"):
