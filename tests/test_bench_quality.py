@@ -94,9 +94,13 @@ def test_matched_budgets_request_by_request(all_modes: dict) -> None:
     ref = [r["computed_fraction"] for r in requests["cachecraft"]]
     assert any(r["chunk_hit_rate"] for r in requests["cachecraft"]), "no chunk was reused"
     assert min(ref) < 1.0
-    for mode in ("random", "epic", "cacheblend"):
+    # every arm computes as many tokens in all: the others get cachecraft's probe rows as
+    # extra tokens, prophet pays for its own probe
+    for mode in ("random", "epic", "cacheblend", "prophet"):
         got = [r["computed_fraction"] for r in requests[mode]]
         assert got == pytest.approx(ref), mode
+    assert all(r["probe_fraction"] > 0 for r in requests["prophet"])
+    assert all(r["probe_fraction"] == 0 for r in requests["epic"])
     naive = [r["computed_fraction"] for r in requests["naive"]]
     assert all(n <= c for n, c in zip(naive, ref, strict=True))
 

@@ -218,16 +218,19 @@ def _run_request(
     measure = shape is not None
     full, *others = runs
     ref = answer(full.runner, item.request, sampling, "full", force_answer=measure)
-    budgets: dict[str, list[int | None]] = {}
+    budgets: dict[tuple[str, bool], list[int | None]] = {}  # (arm, probe's rows added)
     for run in others:
         arm = run.arm
-        given = budgets[arm.budget_from] if arm.budget_from else None
+        # A mode with its own probe (prophet) pays for it itself: it gets cachecraft's tokens
+        # without the probe's rows; every other mode gets them as extra tokens.
+        given = budgets[arm.budget_from, arm.mode != "prophet"] if arm.budget_from else None
         forced = ref.token_ids if measure else None
         got = answer(run.runner, item.request, sampling, arm.mode, budgets=given, forced=forced)
         if arm.mode == "cachecraft":
             # The baselines get as many tokens in all as cachecraft computed, its probe's
             # rows included (spread over the reused chunks).
-            budgets[arm.name] = matched_budgets(got.plan, extra=got.report.probe_tokens)
+            budgets[arm.name, True] = matched_budgets(got.plan, extra=got.report.probe_tokens)
+            budgets[arm.name, False] = matched_budgets(got.plan)
         if shape is not None:
             run.records.append(_compare(item, ref, got, shape))
         del got
