@@ -236,3 +236,19 @@ def test_resolve_rejects_attention_of_the_wrong_shape() -> None:
         resolve_probe(p, [None])
     with pytest.raises(ValueError):
         resolve_probe(p, [None, [0.1, 0.2]])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"beta_rule": "magic"},
+        {"probe_split": "half"},
+        {"prefix_mismatch_penalty": 1.5},
+        {"prophet_ratio": -0.1},
+        {"refresh_error": -1.0},
+        {"probe_blend": -1.0},
+    ],
+)
+def test_bad_settings_are_clear_errors(bad: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        plan("cachecraft", {}, layout("A"), ReuseConfig(**bad))

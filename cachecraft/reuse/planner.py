@@ -21,6 +21,7 @@ from cachecraft.store.meta import VariantMeta
 __all__ = [
     "VariantScore",
     "as_miss",
+    "check_config",
     "choose_variant",
     "fix_count",
     "matched_budgets",
@@ -54,8 +55,25 @@ def plan_request(
         raise ValueError(f"budgets has {len(budgets)} entries for {len(layout.chunks)} chunks")
     if num_layers < 1:
         raise ValueError("num_layers must be >= 1")
+    check_config(config)
     inp = PlanInput(layout, variants, config, num_layers, budgets, prefix_hit)
     return MODE_PLANNERS[mode](inp)
+
+
+def check_config(config: ReuseConfig) -> None:
+    """Raise ValueError for reuse settings no mode can honour (a clear message, not a bad plan)."""
+    if config.beta_rule not in ("honest", "paper"):
+        raise ValueError(f"beta_rule must be 'honest' or 'paper', got {config.beta_rule!r}")
+    if config.probe_split not in ("need", "global", "chunk"):
+        raise ValueError(f"probe_split must be need, global or chunk, got {config.probe_split!r}")
+    if not 0.0 <= config.prefix_mismatch_penalty <= 1.0:
+        raise ValueError("prefix_mismatch_penalty must be in [0, 1]")
+    if not 0.0 <= config.prophet_ratio <= 1.0:
+        raise ValueError("prophet_ratio must be in [0, 1]")
+    if config.refresh_error is not None and config.refresh_error < 0.0:
+        raise ValueError("refresh_error must be >= 0 (or None: never refresh)")
+    if config.probe_blend < 0.0:
+        raise ValueError("probe_blend must be >= 0")
 
 
 def resolve_probe(
