@@ -54,8 +54,14 @@ def close_engine(engine: Engine) -> None:
         close()
 
 
-def _uvicorn(app: Any, log_level: str) -> uvicorn.Server:
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off")
+def _uvicorn(app: Any, log_level: str, shutdown_timeout_s: float) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=shutdown_timeout_s,
+    )
     return uvicorn.Server(config)
 
 
@@ -71,7 +77,7 @@ def start_server(
     engine_kw go to `build_engine` (model, loaded, reuse, store, engine)."""
     engine = build_engine(mode, **engine_kw)
     app = create_app(engine, server)
-    uv = _uvicorn(app, log_level)
+    uv = _uvicorn(app, log_level, (server or ServerConfig()).shutdown_timeout_s)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -90,6 +96,7 @@ def start_server(
         thread.join(10)
         sock.close()
         close_engine(engine)
+        app.state.tokenize.shutdown(wait=False)
 
 
 def serve(
@@ -101,13 +108,24 @@ def serve(
     log_level: str = "info",
     **engine_kw: Any,
 ) -> None:
-    """Serve in the foreground until interrupted."""
+    """Serve in the foreground until SIGTERM / SIGINT; open requests get
+    `shutdown_timeout_s` to finish (those waiting on a dead engine are failed at once), so
+    stopping always ends."""
+    server = server or ServerConfig()
     engine = build_engine(mode, **engine_kw)
     app = create_app(engine, server)
     loaded = engine.runner.loaded
     log.info("serving %s (mode %s) on http://%s:%d", loaded.name, mode, host, port)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="off",
+        timeout_graceful_shutdown=server.shutdown_timeout_s,
+    )
     try:
         uvicorn.Server(config).run()
     finally:
         close_engine(engine)
+        app.state.tokenize.shutdown(wait=False)
