@@ -59,7 +59,9 @@ class ApiError(Exception):
 
 def _clean_loc(loc: tuple[Any, ...]) -> str:
     """`body.messages.0.content.function-after[...]` -> `messages.0.content`."""
-    keep = [str(x) for x in loc if x != "body" and not any(c in str(x) for c in "[(")]
+    if loc and loc[0] in ("body", "query", "path", "header"):
+        loc = loc[1:]
+    keep = [str(x) for x in loc if not any(c in str(x) for c in "[(")]
     return ".".join(keep)
 
 
@@ -92,8 +94,12 @@ def _json_error(status: int, message: str, type_: str, code: str | None) -> tupl
     return start, json.dumps(error_body(message, type_, code)).encode()
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` as the body streams in: an HTTPException, so FastAPI's body
+    parsing passes it on (it turns other errors into a 400) to the 413 handler."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body over {max_bytes} bytes (max_request_bytes)")
 
 
 class _Guard:
@@ -127,7 +133,7 @@ class _Guard:
             await guarded_send(start)
             await guarded_send({"type": "http.response.body", "body": body})
 
-        too_large = f"request body over {self.max_bytes} bytes (max_request_bytes)"
+        too_large = str(_BodyTooLarge(self.max_bytes).detail)
         headers = dict(scope.get("headers") or ())
         length = headers.get(b"content-length", b"").decode("latin-1").strip()
         if length.isdigit() and int(length) > self.max_bytes:
@@ -141,7 +147,7 @@ class _Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _BodyTooLarge
+                    raise _BodyTooLarge(self.max_bytes)
             return message
 
         try:

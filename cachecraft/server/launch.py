@@ -76,8 +76,20 @@ def start_server(
     """Serve on 127.0.0.1:<free port> in a thread; yields "http://127.0.0.1:PORT".
     engine_kw go to `build_engine` (model, loaded, reuse, store, engine)."""
     engine = build_engine(mode, **engine_kw)
-    app = create_app(engine, server)
-    uv = _uvicorn(app, log_level, (server or ServerConfig()).shutdown_timeout_s)
+    try:
+        app = create_app(engine, server)
+        with serve_app(app, log_level) as url:
+            yield url
+    finally:
+        close_engine(engine)
+
+
+@contextlib.contextmanager
+def serve_app(app: Any, log_level: str = "warning") -> Iterator[str]:
+    """Serve an app made by `create_app` on a free loopback port in a thread (its engine is
+    the caller's to stop); yields the base URL."""
+    config: ServerConfig = app.state.config
+    uv = _uvicorn(app, log_level, config.shutdown_timeout_s)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -93,9 +105,8 @@ def start_server(
         yield f"http://127.0.0.1:{port}"
     finally:
         uv.should_exit = True
-        thread.join(10)
+        thread.join(10 + config.shutdown_timeout_s)
         sock.close()
-        close_engine(engine)
         app.state.tokenize.shutdown(wait=False)
 
 
