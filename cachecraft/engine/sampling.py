@@ -68,12 +68,13 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def _greedy(logits: torch.Tensor) -> int:
-    finite = torch.where(torch.isfinite(logits), logits, torch.finfo(torch.float32).min)
-    return int(torch.argmax(finite))
+    """argmax with nan ranked last and +inf first."""
+    info = torch.finfo(torch.float32)
+    return int(torch.argmax(torch.nan_to_num(logits, nan=info.min, posinf=info.max)))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """logits [vocab] -> one token id. Never raises on inf/nan: greedy over finite logits."""
+    """logits [vocab] -> one token id. Never raises on inf/nan: greedy (nan ranked last)."""
     logits = logits.float()
     if params.temperature == 0:
         return _greedy(logits)

@@ -118,8 +118,11 @@ class DiskTier:
                 raise FileNotFoundError(
                     f"no index ({INDEX}); `cachecraft chunks reindex` rebuilds it"
                 )
-            # mode=ro: never creates the file, never checkpoints or truncates the WAL
-            uri = f"file:{path.resolve()}?mode=ro"
+            # mode=ro never creates the index, checkpoints or truncates the WAL. Without a WAL
+            # (no writer open, all checkpointed) immutable=1 also keeps SQLite from creating
+            # -wal / -shm files: the listing then changes nothing at all on disk.
+            wal = path.with_name(INDEX + "-wal").exists()
+            uri = f"file:{path.resolve()}?mode=ro" + ("" if wal else "&immutable=1")
             db = sqlite3.connect(uri, uri=True, timeout=30.0, check_same_thread=False)
             db.execute("PRAGMA busy_timeout=30000")
             return db
