@@ -140,7 +140,8 @@ SURROGATE_BODIES = {
 @pytest.mark.parametrize("field", sorted(SURROGATE_BODIES))
 def test_lone_surrogates_are_400_on_chat(srv: Served, field: str) -> None:
     err = openai_error(srv.post(CHAT, SURROGATE_BODIES[field]), 400)
-    assert "surrogate" in err["message"]
+    # our check names the surrogate; a length-checked field fails inside pydantic first
+    assert "surrogate" in err["message"] or "unicode string" in err["message"]
 
 
 def test_lone_surrogates_are_400_on_completions_and_chunks(srv: Served) -> None:

@@ -48,7 +48,7 @@ MAX_ID_CHARS = 256
 class Document(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
-    text: StrictStr
+    text: StrictStr = Field(min_length=1)
 
 
 class TextPart(_Lenient):
@@ -72,6 +72,7 @@ class StreamOptions(_Lenient):
     include_usage: StrictBool = False
 
 
+StopStr = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 MIN_TEMPERATURE = 1e-3  # below it softmax(logits / t) overflows to inf / nan
 
@@ -90,7 +91,7 @@ class _Generation(_Lenient):
     cache_namespace: StrictStr | None = Field(default=None, min_length=1, max_length=128)
     cachecraft_mode: StrictStr | None = Field(default=None, max_length=64)
     ignore_eos: StrictBool = False
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StopStr | list[StopStr] | None = Field(default=None, max_length=4)
 
     @field_validator("temperature")
     @classmethod
