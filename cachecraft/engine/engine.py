@@ -262,10 +262,11 @@ class Engine:
 
     def _fail_stuck(self) -> None:
         """After a step failed outside every per-request guard: fail the requests that would
-        fail the same way again (prefilled but without a token to feed back)."""
+        fail the same way on every later step (prefilled, so scheduled to decode, but without a
+        token to feed back); the others are simply scheduled again."""
         for rid, live in list(self._live.items()):
             state = live.state
-            if state is not None and live.job is not None and not state.output_ids:
+            if state is not None and live.outcome is not None and not state.output_ids:
                 self._fail(rid, RuntimeError("the engine step failed for this request"))
 
     def _plan(self, live: _Live) -> RecomputePlan:
@@ -318,7 +319,7 @@ class Engine:
 
     @staticmethod
     def _close_loader(live: _Live) -> None:
-        loader = getattr(live.job, "loader", None) if live.job is not None else None
+        loader = live.job.loader if live.job is not None else None
         if loader is not None:
             try:
                 loader.close()
