@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,11 +110,26 @@ def test_stopping_fails_pending_requests_instead_of_hanging(engine: Engine) -> N
     assert not engine.liveness().is_alive
 
 
+class WithoutPrefetch:
+    """The real tiered store minus its optional `prefetch` (ChunkStore does not require it).
+    A prefetch reads and checks a whole file while the request waits, so bytes that rot after
+    it (or a store that never prefetches) are first seen corrupt inside the forward step."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "prefetch":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 def test_corrupt_chunk_in_a_batched_step_fails_nobody(tiny: LoadedModel, tmp_path: Path) -> None:
     # memory tier off: every hit is read layer by layer from disk, inside the forward step
     store = make_store(StoreConfig(cache_dir=str(tmp_path), memory_bytes=0, doorkeeper_threshold=1))
     reuse = reuse_config(alpha=1e9, min_fix=1.0, early_termination=False)
-    engine = Engine(Runner(tiny, store, reuse), EngineConfig(mode="cachecraft")).start()
+    runner = Runner(tiny, WithoutPrefetch(store), reuse)  # type: ignore[arg-type]
+    engine = Engine(runner, EngineConfig(mode="cachecraft")).start()
     try:
         rag = RagRequest("Which planet has rings?", [Chunk(d) for d in DOCS])
         assert isinstance(run(engine.submit(rag, GREEDY)), Finished)  # stores both chunks
