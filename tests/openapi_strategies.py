@@ -3,7 +3,7 @@ $ref into components, anyOf, const/enum, object (properties, required, additiona
 array (items, minItems, maxItems), string (minLength, maxLength), integer and number (bounds,
 exclusive bounds), boolean, null. Strings range over all of Unicode, lone surrogates included
 (what a JSON body can carry). Anything else in a schema raises, so a schema the fuzz cannot
-follow is noticed, never skipped.
+follow is noticed, never skipped. One string in four is drawn from a hostile alphabet.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 TEXT = st.characters(exclude_categories=())  # every code point, surrogates included
+HOSTILE = st.sampled_from(["\ud800", "\udfff", "\x00", "\u202e", "\ufffd", "\U0010ffff"])
 KEYS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
 ANY_JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -61,9 +62,10 @@ def from_schema(schema: dict[str, Any], root: dict[str, Any]) -> st.SearchStrate
             allow_infinity=False,
         )
     if kind == "string":
-        return st.text(
-            TEXT, min_size=schema.get("minLength", 0), max_size=schema.get("maxLength", 60)
-        )
+        size = {"min_size": schema.get("minLength", 0), "max_size": schema.get("maxLength", 60)}
+        plain = st.text(st.characters(codec="utf-8"), **size)
+        # one string in four mixes in what breaks encoders: lone surrogates, NUL, bidi, U+FFFD
+        return st.one_of(plain, plain, plain, st.text(HOSTILE | TEXT, **size))
     if kind == "array":
         items = from_schema(schema.get("items", {}), root)
         return st.lists(
