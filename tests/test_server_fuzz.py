@@ -5,7 +5,7 @@ the fuzz follows the API as it changes), then also broken on purpose: a field re
 value or dropped, lone surrogates, raw bytes, odd query strings and path keys. The invariant
 for every case: no 5xx, an OpenAI-shaped error for every 4xx, and the server still healthy and
 answering afterwards. Generated max_tokens are capped at 16 (cost only: every other field is
-as drawn). CI size by default (derandomized, so `make test` is repeatable);
+as drawn). CI size by default (50 cases per test, derandomized, so `make test` is repeatable);
 CACHECRAFT_FUZZ_EXAMPLES=N runs N cases per test, and CACHECRAFT_FUZZ_REPORT=path writes the
 count of cases per route and status there (the issue's measurement table).
 """
@@ -33,7 +33,7 @@ from cachecraft.server.app import create_app
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.launch import build_engine, close_engine, serve_app
 
-EXAMPLES = int(os.environ.get("CACHECRAFT_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("CACHECRAFT_FUZZ_EXAMPLES", "50"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
