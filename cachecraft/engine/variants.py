@@ -56,6 +56,7 @@ def make_variants(
             intra=intra,
             token_scores=tuple(scores.tolist()),
             cci=cci(inter, intra, sizes, n),
+            is_exact=cp.is_exact,
         )
         positions = torch.arange(slot.start, slot.end, device=kv.k.device)
         keys = rope.unrotate(kv.k[:, :, slot.start : slot.end], positions).to(storage_dtype)

@@ -69,8 +69,14 @@ def close_stack(stack: Stack) -> None:
     stack.store.close()
 
 
-def _uvicorn(app: Any, log_level: str) -> uvicorn.Server:
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off")
+def _uvicorn(app: Any, log_level: str, shutdown_timeout_s: float) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=shutdown_timeout_s,
+    )
     return uvicorn.Server(config)
 
 
@@ -85,8 +91,20 @@ def start_server(
     """Serve on 127.0.0.1:<free port> in a thread; yields "http://127.0.0.1:PORT".
     engine_kw go to `build_stack` (model, loaded, reuse, store, engine)."""
     stack = build_stack(mode, **engine_kw)
-    app = create_app(stack.engine, stack.store, server)
-    uv = _uvicorn(app, log_level)
+    try:
+        app = create_app(stack.engine, stack.store, server)
+        with serve_app(app, log_level) as url:
+            yield url
+    finally:
+        close_stack(stack)
+
+
+@contextlib.contextmanager
+def serve_app(app: Any, log_level: str = "warning") -> Iterator[str]:
+    """Serve an app made by `create_app` on a free loopback port in a thread (its engine is
+    the caller's to stop); yields the base URL."""
+    config: ServerConfig = app.state.config
+    uv = _uvicorn(app, log_level, config.shutdown_timeout_s)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -102,9 +120,9 @@ def start_server(
         yield f"http://127.0.0.1:{port}"
     finally:
         uv.should_exit = True
-        thread.join(10)
+        thread.join(10 + config.shutdown_timeout_s)
         sock.close()
-        close_stack(stack)
+        app.state.tokenize.shutdown(wait=False)
 
 
 def serve(
@@ -116,8 +134,11 @@ def serve(
     log_level: str = "info",
     **engine_kw: Any,
 ) -> None:
-    """Serve in the foreground until interrupted (SIGINT or SIGTERM). `port=0` takes a free
-    port; the log line "serving ... on http://HOST:PORT" names the one bound."""
+    """Serve in the foreground until SIGTERM / SIGINT; open requests get
+    `shutdown_timeout_s` to finish (those waiting on a dead engine are failed at once), so
+    stopping always ends. `port=0` takes a free port; the log line "serving ... on
+    http://HOST:PORT" names the one bound."""
+    server = server or ServerConfig()
     stack = build_stack(mode, **engine_kw)
     engine = stack.engine
     app = create_app(engine, stack.store, server)
@@ -130,12 +151,19 @@ def serve(
     except OSError as exc:
         sock.close()
         close_stack(stack)
+        app.state.tokenize.shutdown(wait=False)
         raise CachecraftError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     bound = sock.getsockname()[1]
     log.info("serving %s (mode %s) on http://%s:%d", loaded.name, engine.config.mode, host, bound)
-    config = uvicorn.Config(app, log_level=log_level, lifespan="off")
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="off",
+        timeout_graceful_shutdown=server.shutdown_timeout_s,
+    )
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
         close_stack(stack)
+        app.state.tokenize.shutdown(wait=False)

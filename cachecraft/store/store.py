@@ -459,6 +459,8 @@ class TieredStore:
                 snap.redis_errors = self.redis.num_errors
             if self.disk is not None:
                 snap.evictions["disk:corrupt"] = self.disk.num_corrupt
+                snap.disk_write_errors = self.disk.num_write_errors
+                snap.last_disk_write_error = self.disk.last_write_error
             if self._pinned:
                 snap.nbytes["pinned"] = sum(v.nbytes for v in self._pinned.values())
                 snap.num_variants["pinned"] = len(self._pinned)
