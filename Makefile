@@ -32,8 +32,11 @@ demo: setup
 	$(BIN)/cachecraft ask --doc examples/docs/eiffel.txt --doc examples/docs/everest.txt \
 		--question "When was the Eiffel Tower completed?"
 
+# PORT=0 takes a free port (the log names it)
+PORT    ?= 8000
+
 serve: setup
-	$(BIN)/cachecraft serve --host 127.0.0.1 --port 8000 --cache-dir ./.cachecraft
+	$(BIN)/cachecraft serve --host 127.0.0.1 --port $(PORT) --cache-dir ./.cachecraft
 
 PEER       := .peer-venv
 PEER_STAMP := $(PEER)/.cachecraft-peer

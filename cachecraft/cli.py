@@ -7,45 +7,26 @@ work itself lives in the library. Subcommands owned elsewhere register their own
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
-# The one environment variable cachecraft sets, before torch loads OpenMP: with the default
-# (active) waiting, OpenMP workers spin between parallel regions and starve our other threads
-# (layer read-ahead, the server's step loop); on a shared 2-core machine that made a reuse
-# request 5x slower and a full prefill 1.5x slower (README, "Threads").
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from cachecraft.env import set_passive_openmp
 
-from cachecraft.config import MODES
-from cachecraft.errors import CachecraftError
+set_passive_openmp()  # before anything imports torch (cachecraft/env.py says why)
 
-# (module, function) pairs that add a subcommand parser; optional so a partial checkout runs.
-TOP_LEVEL_PARSERS = (
-    ("cachecraft.server.cli", "add_serve_parser"),
-    ("cachecraft.store.cli", "add_chunks_parser"),
-    ("cachecraft.bench.calibrate", "add_calibrate_parser"),
-)
-BENCH_PARSERS = (
-    ("cachecraft.bench.quality_cli", "add_bench_quality_parser"),
-    ("cachecraft.bench.store_bench", "add_bench_store_parser"),
-    ("cachecraft.bench.serve_cli", "add_bench_serve_parser"),
-    ("cachecraft.bench.report_cli", "add_bench_report_parser"),
-)
-
-
-def _register(subparsers: argparse._SubParsersAction, entries: tuple) -> None:
-    for module_name, function in entries:
-        try:
-            add = getattr(importlib.import_module(module_name), function)
-        except (ModuleNotFoundError, AttributeError):
-            continue  # that subcommand is not built in this checkout
-        add(subparsers)
+from cachecraft.bench.quality_cli import add_bench_quality_parser, add_calibrate_parser  # noqa: E402
+from cachecraft.bench.report_cli import add_bench_report_parser  # noqa: E402
+from cachecraft.bench.serve_cli import add_bench_serve_parser  # noqa: E402
+from cachecraft.bench.store_bench import add_bench_store_parser  # noqa: E402
+from cachecraft.config import MODES  # noqa: E402
+from cachecraft.config_file import load_reuse_overrides, merge_overrides  # noqa: E402
+from cachecraft.errors import CachecraftError  # noqa: E402
+from cachecraft.server.cli import add_serve_parser  # noqa: E402
+from cachecraft.store.cli import add_chunks_parser  # noqa: E402
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -61,9 +42,11 @@ def _ask(args: argparse.Namespace) -> int:
         chunks.append(Chunk(p.read_text(encoding="utf-8", errors="replace"), id=p.name))
     store = None
     if args.cache_dir:
-        from cachecraft.store.config import StoreConfig, make_store
+        from cachecraft.store.config import StoreConfig
+        from cachecraft.store.store import make_store
 
-        # One request per process: the doorkeeper's in-memory sightings would never reach 2.
+        # Admit on first sight: whoever asks twice on the command line expects the second
+        # answer to reuse the first one's chunk-caches (README, Quick start).
         config = StoreConfig(cache_dir=args.cache_dir, device=args.device, doorkeeper_threshold=1)
         store = make_store(config)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, store=store, **_overrides(args))
@@ -90,16 +73,7 @@ def _ask(args: argparse.Namespace) -> int:
 
 def _overrides(args: argparse.Namespace) -> dict:
     """ReuseConfig fields from the calibration file and explicit flags (flags win)."""
-    out: dict = {}
-    try:
-        from cachecraft.bench.calibrate import load_reuse_overrides
-
-        out.update(load_reuse_overrides(getattr(args, "config", None)))
-    except ModuleNotFoundError:
-        pass
-    if getattr(args, "alpha", None) is not None:
-        out["alpha"] = args.alpha
-    return out
+    return merge_overrides(load_reuse_overrides(args.config), alpha=args.alpha)
 
 
 def _bench_model(args: argparse.Namespace) -> int:
@@ -150,8 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--repeats", type=int, default=5)
     model.add_argument("--json", action="store_true")
     model.set_defaults(func=_bench_model)
-    _register(bench, BENCH_PARSERS)
-    _register(sub, TOP_LEVEL_PARSERS)
+    for add in (
+        add_bench_quality_parser,
+        add_bench_store_parser,
+        add_bench_serve_parser,
+        add_bench_report_parser,
+    ):
+        add(bench)
+    for add in (add_serve_parser, add_chunks_parser, add_calibrate_parser):
+        add(sub)
     return parser
 
 

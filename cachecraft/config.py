@@ -1,6 +1,6 @@
-"""Frozen configuration dataclasses; every CLI flag and server option maps to one field here.
-
-No environment variables are read anywhere else in the library.
+"""ReuseConfig (the planner's knobs) and the modes. The other settings live with their owner:
+StoreConfig (store/config.py), EngineConfig (engine/engine.py), ServerConfig (server/config.py);
+the model is chosen by path (`load_model`). Environment variables: env.py.
 """
 
 from __future__ import annotations
@@ -19,15 +19,6 @@ MODES: tuple[str, ...] = (
 """`cachecraft` (default): CFO budgets spent by need on the tokens the question reads (a probe
 pass); `cachecraft-paper`: the paper's rules (lowest CFO, stored-score tokens, early exit);
 `prophet`: question attention alone, one global budget (ProphetKV-style baseline)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Which model to run and how. `model=None` means the bundled SmolLM2-135M-Instruct."""
-
-    model: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,5 +69,3 @@ class ReuseConfig:
     cacheblend_check_layer: int = 1
     epic_k: int = 32
     seed: int = 0
-    storage_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    max_variants_per_chunk: int = 4

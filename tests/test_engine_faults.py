@@ -20,8 +20,9 @@ from cachecraft.errors import BadRequestError
 from cachecraft.llm import reuse_config
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import Chunk, RagRequest
-from cachecraft.store.config import StoreConfig, make_store
+from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
+from cachecraft.store.store import make_store
 
 DOCS = [
     "Saturn is the sixth planet from the Sun and has a prominent ring system.",
@@ -111,16 +112,18 @@ def test_stopping_fails_pending_requests_instead_of_hanging(engine: Engine) -> N
 
 
 class WithoutPrefetch:
-    """The real tiered store minus its optional `prefetch` (ChunkStore does not require it).
-    A prefetch reads and checks a whole file while the request waits, so bytes that rot after
-    it (or a store that never prefetches) are first seen corrupt inside the forward step."""
+    """The real tiered store whose `prefetch` does nothing (the contract allows a store that
+    never prefetches). A prefetch reads and checks a whole file while the request waits, so
+    bytes that rot after it (or a store that never prefetches) are first seen corrupt inside
+    the forward step."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
+    def prefetch(self, variant_ids: list[str]) -> None:
+        """Never prefetches."""
+
     def __getattr__(self, name: str) -> Any:
-        if name == "prefetch":
-            raise AttributeError(name)
         return getattr(self.inner, name)
 
 

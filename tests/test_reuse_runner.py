@@ -12,6 +12,7 @@ from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError, ContextLengthError
 from cachecraft.llm import LLM
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.store.memory import MemoryStore
 
 DOCS = [
     "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889.",
@@ -32,7 +33,7 @@ def _run(llm: LLM, request: RagRequest, mode: str):
 
 @pytest.fixture
 def llm(tiny_dir: Path) -> LLM:
-    return LLM(str(tiny_dir), storage_dtype="float32")
+    return LLM(str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"))
 
 
 def test_cachecraft_with_cfo_one_equals_full(tiny_dir: Path) -> None:
@@ -110,7 +111,9 @@ def test_cachecraft_paper_recomputes_ceil_cfo_tokens(llm: LLM) -> None:
 
 
 def test_cachecraft_spends_the_summed_cfo_budget_where_the_question_looks(tiny_dir: Path) -> None:
-    llm = LLM(str(tiny_dir), storage_dtype="float32", focus_threshold=0.0)
+    llm = LLM(
+        str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"), focus_threshold=0.0
+    )
     _run(llm, _req([0, 1, 2]), "cachecraft")
     out = _run(llm, _req([2, 1, 0]), "cachecraft")
     chunks = out.report.chunks
@@ -193,6 +196,15 @@ def test_teacher_forced_logits_of_full_follow_its_own_answer(llm: LLM) -> None:
     assert torch.isfinite(tf).all()
 
 
+def test_a_store_setting_given_as_a_reuse_option_is_an_error(tiny_dir: Path) -> None:
+    from cachecraft.errors import BadRequestError
+
+    with pytest.raises(BadRequestError, match="storage_dtype: a store setting"):
+        LLM(str(tiny_dir), storage_dtype="float32")
+    with pytest.raises(BadRequestError, match="max_variants_per_chunk"):
+        LLM(str(tiny_dir), max_variants_per_chunk=2)
+
+
 # ---- v2: every mode reduces to full, the probe, exactness on a shared store ---------------------
 
 EVERYTHING = dict(
@@ -202,7 +214,6 @@ EVERYTHING = dict(
     prophet_ratio=1.0,
     epic_k=10_000,
     cacheblend_ratio=1.0,
-    storage_dtype="float32",
 )
 
 
@@ -223,7 +234,8 @@ EVERYTHING = dict(
 def test_every_mode_told_to_compute_everything_equals_full(
     tiny_dir: Path, mode: str, extra: dict
 ) -> None:
-    llm = LLM(str(tiny_dir), **{**EVERYTHING, **extra})
+    exact = MemoryStore(2 << 30, storage_dtype="float32")
+    llm = LLM(str(tiny_dir), store=exact, **{**EVERYTHING, **extra})
     _run(llm, _req([0, 1, 2]), "naive")  # warm: every chunk becomes a variant
     request = _req([2, 0, 3, 1])
     full = _run(llm, request, "full")

@@ -9,7 +9,8 @@ import torch
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.llm import LLM
 from cachecraft.request import Chunk, RagRequest
-from cachecraft.store.config import StoreConfig, make_store
+from cachecraft.store.config import StoreConfig
+from cachecraft.store.store import make_store
 
 DOCS = [
     "Saturn is the sixth planet from the Sun and has a prominent ring system.",

@@ -26,6 +26,7 @@ from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.launch import start_server
+from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
 
 CTX = 512
@@ -239,8 +240,9 @@ def test_concurrent_clients_match_sequential(url: str, small: LoadedModel) -> No
 
 def test_cfo_one_answers_like_full(small: LoadedModel) -> None:
     # float32 storage: the one exact reuse (first chunk) then splices bit-identical K/V
-    forced = ReuseConfig(alpha=1e9, early_termination=False, storage_dtype="float32")
-    with start_server("cachecraft", loaded=small, reuse=forced) as base:
+    forced = ReuseConfig(alpha=1e9, early_termination=False)
+    exact = StoreConfig(storage_dtype="float32")
+    with start_server("cachecraft", loaded=small, reuse=forced, store=exact) as base:
         r = httpx.post(base + "/v1/chunks", json={"documents": [{"text": t} for t in DOCS]})
         assert r.status_code == 200 and all(row["stored"] for row in r.json()["data"])
         for i in range(4):
@@ -307,3 +309,14 @@ def wait_until(predicate, timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def test_a_setting_given_twice_is_an_error() -> None:
+    from cachecraft.server.launch import build_stack
+
+    with pytest.raises(ValueError, match="mode given twice"):
+        build_stack("full", engine=EngineConfig(mode="prefix"))
+    with pytest.raises(ValueError, match="give the model once"):
+        build_stack(model="x", loaded=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        EngineConfig(512, 1, 1)  # type: ignore[misc]  # keyword only

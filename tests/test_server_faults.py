@@ -23,7 +23,7 @@ from cachecraft.engine.engine import Engine, EngineConfig
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server.app import create_app
 from cachecraft.server.config import ServerConfig
-from cachecraft.server.launch import build_engine, close_engine, serve_app
+from cachecraft.server.launch import build_stack, close_stack, serve_app
 
 CTX = 512
 LIMITS = ServerConfig(
@@ -71,13 +71,13 @@ class Served:
 
 @contextlib.contextmanager
 def serving(small: LoadedModel, config: ServerConfig = LIMITS, **kw: Any) -> Iterator[Served]:
-    engine = build_engine("full", loaded=small, engine=EngineConfig(mode="full"), **kw)
+    stack = build_stack("full", loaded=small, engine=EngineConfig(mode="full"), **kw)
     try:
-        app = create_app(engine, config)
+        app = create_app(stack.engine, stack.store, config)
         with serve_app(app) as url:
-            yield Served(url, engine, app)
+            yield Served(url, stack.engine, app)
     finally:
-        close_engine(engine)
+        close_stack(stack)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from cachecraft.engine.engine import EngineConfig
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server.app import create_app
 from cachecraft.server.config import ServerConfig
-from cachecraft.server.launch import build_engine, close_engine, serve_app
+from cachecraft.server.launch import build_stack, close_stack, serve_app
 
 EXAMPLES = int(os.environ.get("CACHECRAFT_FUZZ_EXAMPLES", "50"))
 FUZZ = settings(
@@ -52,13 +52,13 @@ SEEN: collections.Counter[tuple[str, int]] = collections.Counter()
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Any]]]:
     path = make_tiny_dir(tmp_path_factory.mktemp("tiny-fuzz"), max_position_embeddings=256)
     loaded: LoadedModel = load_model(str(path))
-    engine = build_engine("cachecraft", loaded=loaded, engine=EngineConfig(max_queue=8))
+    stack = build_stack("cachecraft", loaded=loaded, engine=EngineConfig(max_queue=8))
     try:
-        app = create_app(engine, CONFIG)
+        app = create_app(stack.engine, stack.store, CONFIG)
         with serve_app(app) as url:
             yield url, app.openapi()
     finally:
-        close_engine(engine)
+        close_stack(stack)
         report = os.environ.get("CACHECRAFT_FUZZ_REPORT")
         if report:
             rows = [{"route": r, "status": s, "cases": n} for (r, s), n in sorted(SEEN.items())]

@@ -37,7 +37,7 @@ def test_lru_eviction_order_with_hits() -> None:
     assert store.offer(e)  # evicts a
     store.check_integrity()
     assert store.variant_ids() == [d.variant_id, c.variant_id, e.variant_id]
-    assert store.num_evictions == 2
+    assert sum(store.stats().evictions.values()) == 2
     assert store.variants("a") == [] and store.variants("b") == []
 
 
@@ -102,7 +102,7 @@ def test_remove_and_clear() -> None:
 def test_check_integrity_detects_corruption() -> None:
     store = MemoryStore(capacity_bytes=10 * SIZE)
     store.offer(make_variant("a"))
-    store._nbytes += 1  # simulate a bookkeeping bug
+    store.ram[0].nbytes += 1  # simulate a bookkeeping bug
     with pytest.raises(AssertionError):
         store.check_integrity()
 

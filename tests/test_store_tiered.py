@@ -9,9 +9,9 @@ import torch
 from store_helpers import make_variant
 
 from cachecraft.store.base import ChunkStore
-from cachecraft.store.config import StoreConfig, make_store
+from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
-from cachecraft.store.store import TieredStore
+from cachecraft.store.store import TieredStore, make_store
 
 SIZE = 512
 
@@ -24,7 +24,10 @@ def test_make_store_builds_the_configured_tiers(tmp_path: Path) -> None:
     plain = make_store(StoreConfig())
     assert isinstance(plain, TieredStore) and plain.disk is None
     as_protocol: list[ChunkStore] = [store, MemoryStore(1024)]
-    assert all(hasattr(s, "record_miss") for s in as_protocol)
+    declared = {n for n in vars(ChunkStore) if not n.startswith("_")}
+    assert {"variants", "load", "offer", "pin", "health", "close"} <= declared
+    for s in as_protocol:  # every declared member is implemented
+        assert all(callable(getattr(s, n)) or n == "storage_dtype" for n in declared)
 
 
 def test_prefetch_brings_disk_variants_into_memory(tmp_path: Path) -> None:
@@ -169,3 +172,32 @@ def test_prefetch_concurrent_with_offers_and_demotions(tmp_path: Path) -> None:
     store.wait_prefetch()
     assert errors == []
     store.check_integrity()
+
+
+def test_pinned_variant_survives_eviction_until_removed() -> None:
+    store = TieredStore(StoreConfig(memory_bytes=SIZE, doorkeeper_threshold=1, policy="lru"))
+    pinned, other = make_variant("p"), make_variant("o")
+    store.pin(pinned)  # never offered: pinning alone serves it
+    assert store.offer(other)
+    assert store.offer(make_variant("x"))  # evicts `other` from the one-slot memory tier
+    assert store.load(other.variant_id) is None
+    assert [m.variant_id for m in store.variants("p")] == [pinned.variant_id]
+    got = store.load(pinned.variant_id)
+    assert got is not None and torch.equal(got.keys, pinned.keys)
+    assert store.pinned_chunk_keys() == {"p"}
+    assert store.stats().num_variants["pinned"] == 1
+    assert store.pinned_nbytes({"p", "o"}) == SIZE and store.pinned_nbytes({"o"}) == 0
+    assert store.remove("p") == 1
+    assert store.variants("p") == [] and store.pinned_chunk_keys() == set()
+    store.check_integrity()
+
+
+def test_health_lists_each_configured_tier(tmp_path: Path) -> None:
+    store = TieredStore(StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1))
+    store.offer(make_variant("a"))
+    health = {h.name: h for h in store.health()}
+    assert set(health) == {"memory", "disk"}
+    assert health["disk"].is_reachable and health["disk"].num_variants == 1
+    assert health["memory"].nbytes == SIZE
+    store.close()
+    store.close()  # idempotent

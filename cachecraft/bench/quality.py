@@ -30,8 +30,9 @@ from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel
 from cachecraft.reuse.planner import matched_budgets
 from cachecraft.store.base import ChunkStore
-from cachecraft.store.config import StoreConfig, make_store
+from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
+from cachecraft.store.store import make_store
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ SWEEP_GRID: dict[str, tuple[str, str, tuple[float, ...]]] = {
 at the budgets of the cachecraft point of the same alpha."""
 
 ABLATIONS: dict[str, dict[str, Any]] = {
+    # ReuseConfig fields, except STORE_FIELDS, which go to the arm's own store
     "cachecraft-global": {"probe_split": "global"},
     "cachecraft-chunk": {"probe_split": "chunk"},
     "cachecraft-no-focus": {"early_termination": False},
@@ -65,6 +67,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 """Arm name -> ReuseConfig changes. cachecraft-*: one choice of the default changed each;
 cacheblend-global: CacheBlend picking its top tokens across chunks (at cachecraft's budget)."""
+STORE_FIELDS = frozenset({"max_variants_per_chunk"})
+"""Ablation fields that are store settings (StoreConfig), not reuse ones."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +84,8 @@ class Arm:
     config: ReuseConfig
     budget_from: str | None = None
     sweep: tuple[str, float] | None = None
+    max_variants_per_chunk: int = StoreConfig().max_variants_per_chunk
+    """The arm's store setting (StoreConfig.max_variants_per_chunk)."""
 
 
 @dataclass(slots=True)
@@ -156,9 +162,12 @@ def build_arms(
     if include_base:
         for name in names:
             mode = mode_of(name)
-            cfg = configs.get(name) or replace(base, **ABLATIONS.get(name, {}))
+            ablation = ABLATIONS.get(name, {})
+            reuse_fields = {k: v for k, v in ablation.items() if k not in STORE_FIELDS}
+            store_fields = {k: v for k, v in ablation.items() if k in STORE_FIELDS}
+            cfg = configs.get(name) or replace(base, **reuse_fields)
             src = "cachecraft" if match_budget and mode in MATCHED_MODES else None
-            arms.append(Arm(name, mode, cfg, src))
+            arms.append(Arm(name, mode, cfg, src, **store_fields))
     else:
         arms.append(Arm("full", "full", configs.get("full") or base))
     if sweep:
@@ -240,9 +249,9 @@ def _run_request(
 
 def _arm_store(arm: Arm, index: int, nbytes: int, config: StoreConfig | None) -> ChunkStore:
     if config is None:
-        return MemoryStore(nbytes, arm.config.max_variants_per_chunk)
+        return MemoryStore(nbytes, arm.max_variants_per_chunk)
     where = str(Path(config.cache_dir) / f"arm{index}") if config.cache_dir else None
-    cap = arm.config.max_variants_per_chunk
+    cap = arm.max_variants_per_chunk
     return make_store(replace(config, cache_dir=where, max_variants_per_chunk=cap))
 
 
@@ -292,7 +301,7 @@ def run_arms(
     bar = tqdm(total=len(items), desc="bench quality", file=sys.stderr, disable=not progress)
     with torch.inference_mode(), bar:
         if shared_warmup and warmup:
-            seed = Runner(loaded, MemoryStore(store_bytes, arms[0].config.max_variants_per_chunk))
+            seed = Runner(loaded, MemoryStore(store_bytes, arms[0].max_variants_per_chunk))
             for item in items[:warmup]:
                 bar.set_postfix_str("shared warm-up")
                 _warm_all_chunks(seed, item)

@@ -17,6 +17,7 @@ from typing import Any
 
 from cachecraft.bench.item import WorkloadItem
 from cachecraft.config import MODES, ReuseConfig
+from cachecraft.config_file import load_reuse_overrides
 from cachecraft.errors import BadRequestError, CachecraftError
 from cachecraft.store.config import StoreConfig
 
@@ -50,8 +51,6 @@ def add_reuse_flags(parser: argparse.ArgumentParser) -> None:
 
 def reuse_config_from_args(args: argparse.Namespace) -> ReuseConfig:
     """ReuseConfig from the config file (--config or ./cachecraft.json), then the flags."""
-    from cachecraft.bench.calibrate import load_reuse_overrides
-
     fields = load_reuse_overrides(getattr(args, "config", None))
     for f in dataclasses.fields(ReuseConfig):
         value = getattr(args, f"reuse_{f.name}", None)
@@ -223,7 +222,8 @@ def _bench_quality(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from cachecraft.bench.calibrate import calibration_curve, pick_alpha, write_config
+    from cachecraft.bench.calibrate import calibration_curve, pick_alpha
+    from cachecraft.config_file import write_config
 
     if not 0 < args.target <= 1:
         raise BadRequestError(f"--target must be in (0, 1], got {args.target}")

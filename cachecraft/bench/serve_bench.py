@@ -1,7 +1,7 @@
 """`cachecraft bench serve`: the same open-loop Poisson RAG trace replayed per mode and rate against
 our server (and vLLM with prefix caching as the peer), with throughput, TTFT, e2e latency and the
 fraction of prompt tokens computed. Owns the orchestration and the report; our server is started
-by a factory (`set_server_factory`, or `cachecraft.server.launch.start_server` when present).
+by the factory the caller passes (the CLI passes `cachecraft.server.launch.start_server`).
 """
 
 from __future__ import annotations
@@ -25,28 +25,6 @@ ServerFactory = Callable[[str], AbstractContextManager[str]]
 DEFAULT_MODES = ("full", "prefix", "cachecraft")
 DEFAULT_RATES = (0.1, 0.2, 0.4)
 PEERS = ("vllm",)
-
-_server_factory: ServerFactory | None = None
-
-
-def set_server_factory(fn: ServerFactory | None) -> None:
-    """Register how `cachecraft bench serve` starts our server (None: back to the default)."""
-    global _server_factory
-    _server_factory = fn
-
-
-def get_server_factory() -> ServerFactory:
-    """The registered factory, else `cachecraft.server.launch.start_server`."""
-    if _server_factory is not None:
-        return _server_factory
-    try:
-        from cachecraft.server.launch import start_server  # type: ignore[import-not-found]
-    except ImportError as e:
-        raise CachecraftError(
-            "the cachecraft server is not available yet (no cachecraft.server.launch."
-            f"start_server: {e}); `bench serve` needs it to start one server per mode"
-        ) from None
-    return start_server  # type: ignore[no-any-return]
 
 
 def rate_key(rate: float) -> str:

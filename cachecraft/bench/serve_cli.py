@@ -12,9 +12,10 @@ from cachecraft.bench.serve_bench import (
     DEFAULT_MODES,
     DEFAULT_RATES,
     PEERS,
-    get_server_factory,
+    ServerFactory,
     run_serve_bench,
 )
+from cachecraft.server.launch import start_server
 
 
 def _parse_rates(text: str) -> list[float]:
@@ -26,7 +27,10 @@ def _parse_rates(text: str) -> list[float]:
         ) from None
 
 
-def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_bench_serve_parser(
+    subparsers: argparse._SubParsersAction, server_factory: ServerFactory = start_server
+) -> argparse.ArgumentParser:
+    """`server_factory(mode)` starts one of our servers per mode (tests pass a fake one)."""
     parser = subparsers.add_parser(
         "serve", help="open-loop Poisson RAG trace per mode and rate (vLLM as the peer)"
     )
@@ -45,7 +49,7 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.A
         default="128,512",
         help="min,max tokens per chunk of the synthetic Zipf workload",
     )
-    parser.set_defaults(func=main_serve_bench)
+    parser.set_defaults(func=main_serve_bench, server_factory=server_factory)
     return parser
 
 
@@ -56,7 +60,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         args.requests, chunk_tokens=parse_chunk_tokens(args.chunk_tokens), seed=args.seed
     )
     result = run_serve_bench(
-        get_server_factory(),
+        args.server_factory,
         peer=args.peer,
         rates=args.rates,
         num_requests=args.requests,

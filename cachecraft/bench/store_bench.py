@@ -137,7 +137,7 @@ def _fake_variant(chunk_key: str, num_tokens: int) -> Variant:
         cci=0.6,
     )
     kv = torch.zeros((1, 1, num_tokens, 1), dtype=torch.float16)
-    return Variant(meta, kv, kv)
+    return Variant(meta, kv, kv.clone())  # separate tensors: the disk tier saves both
 
 
 def run_policy(
@@ -145,7 +145,10 @@ def run_policy(
     tokens: dict[str, int],
     cfo: dict[str, float],
     store_config: StoreConfig,
+    tier_stats: dict[str, object] | None = None,
 ) -> PolicyResult:
+    """Replay `trace` through a fresh store; `tier_stats`, when given, receives its final
+    StoreStats (hits per tier, admitted, bytes per tier) as a dict."""
     store = TieredStore(store_config)
     result = PolicyResult()
     for phase, chunks in trace:
@@ -163,8 +166,45 @@ def run_policy(
                 store.record_miss(key)
                 res.tokens_computed += n
                 store.offer(_fake_variant(key, n))
+    if tier_stats is not None:
+        st = store.stats()
+        tier_stats.update(
+            hits=dict(st.hits), admitted=st.admitted, nbytes=dict(st.nbytes),
+            rejected=dict(st.rejected),
+        )  # fmt: skip
     store.close()
     return result
+
+
+def run_first_sight(cfg: TraceConfig | None = None) -> dict[str, object]:
+    """Admission when disk has room: the value policy with memory at the trace's capacity and a
+    disk tier that holds every chunk, admitting on the first sighting (doorkeeper 1) or the
+    second (doorkeeper 2). Hit rates, tokens computed, where hits were served from and bytes
+    written to disk, per arm (issue 11, point 5)."""
+    import tempfile
+
+    cfg = cfg or TraceConfig()
+    rng = random.Random(cfg.seed + 1)
+    trace = make_trace(cfg)
+    all_keys = sorted({k for _, chunks in trace for k in chunks})
+    tokens = {k: rng.randint(cfg.min_tokens, cfg.max_tokens) for k in all_keys}
+    cfo = {k: round(rng.uniform(0.1, 0.6), 3) for k in all_keys}
+    working_set = sum(n for k, n in tokens.items() if k.startswith("c")) * BYTES_PER_TOKEN
+    room = 4 * sum(tokens.values()) * BYTES_PER_TOKEN + (1 << 20)  # every chunk fits on disk
+    out: dict[str, object] = {}
+    for threshold in (2, 1):
+        with tempfile.TemporaryDirectory(prefix="cachecraft-first-sight-") as where:
+            store_cfg = StoreConfig(
+                memory_bytes=int(cfg.capacity_fraction * working_set),
+                cache_dir=where,
+                disk_bytes=room,
+                policy="value",
+                doorkeeper_threshold=threshold,
+            )
+            tiers: dict[str, object] = {}
+            row = run_policy(trace, tokens, cfo, store_cfg, tiers).as_dict()
+            out[f"doorkeeper={threshold}"] = {**row, "store": tiers}
+    return out
 
 
 POLICY_RUNS: dict[str, dict[str, object]] = {
@@ -241,9 +281,14 @@ def add_bench_store_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     )
     parser.add_argument("--ttft-repeats", type=int, default=5)
     parser.add_argument(
+        "--first-sight",
+        action="store_true",
+        help="also compare admitting on first vs second sight when disk has room for all",
+    )
+    parser.add_argument(
         "--redis-url",
         default=None,
-        help="Redis for the TTFT part (default: start a local redis-server if installed)",
+        help="Redis for the TTFT part (default: start the pinned wheel's valkey-server)",
     )
     parser.set_defaults(func=main_store_bench)
     return parser
@@ -251,14 +296,14 @@ def add_bench_store_parser(subparsers: argparse._SubParsersAction) -> argparse.A
 
 def main_store_bench(args: argparse.Namespace) -> int:
     cfg = TraceConfig(
-        requests_per_phase=getattr(args, "requests_per_phase", TraceConfig().requests_per_phase),
-        seed=getattr(args, "seed", 0),
-        hot_mass_per=getattr(args, "hot_mass_per", "request"),
+        requests_per_phase=args.requests_per_phase, seed=args.seed, hot_mass_per=args.hot_mass_per
     )
     result = run_store_bench(cfg)
-    if getattr(args, "ttft", False):
+    if args.first_sight:
+        result["first_sight"] = run_first_sight(cfg)
+    if args.ttft:
         result["ttft_ms"] = _tier_ttft(args)
-    if getattr(args, "json", False):
+    if args.json:
         print(json.dumps(result, indent=2))  # CLI output, not library logging
         return 0
     from rich.console import Console
@@ -276,6 +321,12 @@ def main_store_bench(args: argparse.Namespace) -> int:
     console = Console()
     console.print(table)
     console.print(f"savings ratio value vs lru: {result.get('savings_ratio_value_vs_lru')}")
+    for arm, row in result.get("first_sight", {}).items():  # type: ignore[union-attr]
+        console.print(
+            f"{arm} (disk has room): hit rate {row['hit_rate']:.3f}, tokens computed "
+            f"{row['tokens_computed']}, hits by tier {row['store']['hits']}, "
+            f"admitted {row['store']['admitted']}"
+        )
     for tier, row in result.get("ttft_ms", {}).items():
         console.print(f"TTFT {tier}: {row}")
     return 0
@@ -283,7 +334,6 @@ def main_store_bench(args: argparse.Namespace) -> int:
 
 def _tier_ttft(args: argparse.Namespace) -> dict[str, object]:
     """TTFT per tier on the first request of the sample workload (bundled model)."""
-    import shutil
     from pathlib import Path
 
     from cachecraft.bench.tier_ttft import run_tier_ttft
@@ -295,7 +345,7 @@ def _tier_ttft(args: argparse.Namespace) -> dict[str, object]:
     request = load_workload_file(sample)[0].request
     server = None
     url = args.redis_url
-    if url is None and shutil.which("redis-server"):
+    if url is None:
         server = RedisServer().start()
         url = server.url
     try:

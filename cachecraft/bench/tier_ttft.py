@@ -21,7 +21,8 @@ from cachecraft.engine.prefix_cache import PrefixCache
 from cachecraft.engine.runner import Runner
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import RagRequest
-from cachecraft.store.config import StoreConfig, make_store
+from cachecraft.store.config import StoreConfig
+from cachecraft.store.store import make_store
 
 
 def _drop_page_cache(root: Path) -> None:

@@ -51,7 +51,7 @@ class Liveness(NamedTuple):
     num_failed_requests: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """token_budget: rows per step (prefill rows computed + 1 per decode); max_running: cap on
     sequences holding a KV cache; max_queue: waiting requests before QueueFull (HTTP 429)."""
@@ -380,9 +380,8 @@ class Engine:
         eos = () if live.sampling.ignore_eos else self.runner.loaded.eos_token_ids
         live.stops = frozenset((*eos, *live.sampling.stop_token_ids))
         variant_ids = [cp.variant.variant_id for cp in plan.chunks if cp.variant is not None]
-        prefetch = getattr(self.runner.store, "prefetch", None)
-        if variant_ids and prefetch is not None:
-            prefetch(variant_ids)
+        if variant_ids:
+            self.runner.store.prefetch(variant_ids)
         try:
             self.scheduler.add(live.state)
         except QueueFull as e:

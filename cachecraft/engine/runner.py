@@ -33,7 +33,6 @@ from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
 from cachecraft.reuse.planner import as_miss, plan_request, resolve_probe, without_prefix_hit
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.codec import CorruptVariantError
-from cachecraft.store.layers import TensorLayerReader
 from cachecraft.store.meta import VariantMeta
 from cachecraft.store.variant import Variant
 
@@ -80,7 +79,7 @@ class Runner:
         self.store = store
         self.reuse = reuse or ReuseConfig()
         self.prefix_cache = PrefixCache() if prefix_cache is None else prefix_cache
-        self.storage_dtype = DTYPES[self.reuse.storage_dtype]
+        self.storage_dtype = DTYPES[store.storage_dtype]
 
     # ---- planning -------------------------------------------------------------------------
     def plan(
@@ -152,12 +151,7 @@ class Runner:
         if cp.variant is None:
             return True
         variant_id = cp.variant.variant_id
-        open_layers = getattr(self.store, "open_layers", None)
-        if open_layers is not None:
-            reader = open_layers(variant_id)
-        else:
-            variant = self.store.load(variant_id)
-            reader = None if variant is None else TensorLayerReader(variant.keys, variant.values)
+        reader = self.store.open_layers(variant_id)
         if reader is None:
             log.warning("variant %s vanished; computing chunk in full", variant_id)
             return False

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from cachecraft.env import cache_home
 from cachecraft.errors import ModelLoadError
 from cachecraft.model.arch import ModelArch
 from cachecraft.model.llama import LlamaModel
@@ -66,8 +67,7 @@ def bundled_gguf() -> Path:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "cachecraft"
+    return cache_home()
 
 
 def _file_identity(path: Path) -> str:

@@ -1,4 +1,5 @@
-"""create_app(engine, config): the OpenAI-compatible FastAPI app, kept thin.
+"""create_app(engine, store, config): the OpenAI-compatible FastAPI app, kept thin. It uses the
+store it is given (the one the engine's runner was built with) and never reaches into the engine.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/chunks (POST, GET, DELETE),
 /health, /metrics. Every error, the framework's included, has OpenAI's shape: 400 bad input
@@ -40,6 +41,7 @@ from cachecraft.server.protocol import (
     error_body,
     unsupported_fields,
 )
+from cachecraft.store.base import ChunkStore
 
 log = logging.getLogger(__name__)
 
@@ -175,15 +177,13 @@ def checked(value: str | None) -> str | None:
         raise ApiError(400, f"cache_namespace: {e}", "invalid_request_error") from None
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: Engine, store: ChunkStore, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     # redirect_slashes off: `DELETE /v1/chunks/` is a 404/405, never a 307 to another route
     app = FastAPI(title="cachecraft", version="0.1.0", redirect_slashes=False)
-    if not isinstance(engine.runner.store, chunks.PinnedStore):
-        engine.runner.store = chunks.PinnedStore(engine.runner.store)  # pinning for /v1/chunks
     state = app.state
     state.engine, state.config = engine, config
-    state.metrics = ServerMetrics(engine)
+    state.metrics = ServerMetrics(engine, store)
     state.registry = chunks.ChunkRegistry()
     # Tokenization (CPU work proportional to the text) runs here, never on the step thread;
     # one worker: HF fast tokenizers are not meant to be shared across threads.
@@ -391,7 +391,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 "system",
             )
         scope = scoped(ns, body.cache_namespace)
-        store = engine.runner.store
         rows = []
         for d in body.documents:  # one engine call per document: generation interleaves
             rag = chunks.precompute_request(d.text, d.id, scope, body.system)
@@ -406,7 +405,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         ns: str = Depends(namespace), cache_namespace: NamespaceQuery = None
     ) -> dict[str, Any]:
         scope = scoped(ns, checked(cache_namespace))
-        return chunks.list_chunks(engine.runner.store, state.registry, scope)
+        return chunks.list_chunks(store, state.registry, scope)
 
     @app.delete("/v1/chunks/{chunk_key}")
     async def delete_chunk(
@@ -419,7 +418,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             raise ApiError(
                 404, f"chunk {chunk_key} not found in this namespace", "invalid_request_error"
             )
-        store = engine.runner.store
         removed = await asyncio.wrap_future(engine.call(lambda: store.remove(chunk_key)))
         state.registry.discard(scope, chunk_key)
         return {"chunk_key": chunk_key, "deleted": True, "num_variants": removed}
@@ -435,9 +433,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             problem = "the engine step thread is not running"
         elif live.busy_s is not None and live.busy_s > config.watchdog_s:
             problem = f"the engine has been busy for {live.busy_s:.0f} s (watchdog_s)"
+        tiers = await asyncio.to_thread(store.health)  # may ping Redis
         body = {
             "status": "ok" if problem is None else "unavailable",
             "reason": problem,
+            "tiers": {t.name: t._asdict() for t in tiers},
             "model": loaded.name,
             "mode": engine.config.mode,
             "num_waiting": engine.num_waiting,

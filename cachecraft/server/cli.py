@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from cachecraft.config import MODES
+from cachecraft.config_file import load_reuse_overrides, merge_overrides
 from cachecraft.engine.engine import EngineConfig
 from cachecraft.errors import StoreUnavailableError
 from cachecraft.server.config import ServerConfig
@@ -20,7 +21,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     engine, server, store = EngineConfig(), ServerConfig(), StoreConfig()
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: a free port (logged)")
     p.add_argument("--model", default=None, help="HF dir or GGUF file (default: bundled)")
     p.add_argument("--mode", default=engine.mode, choices=MODES, help="default reuse mode")
     p.add_argument(
@@ -38,6 +39,23 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--cache-dir", default="./.cachecraft", help="disk tier ('' to disable)")
     p.add_argument("--redis-url", default=None, help="shared Redis tier, e.g. redis://host:6379")
     p.add_argument("--memory-bytes", type=int, default=store.memory_bytes)
+    p.add_argument("--disk-bytes", type=int, default=store.disk_bytes)
+    p.add_argument("--redis-bytes", type=int, default=store.redis_bytes)
+    p.add_argument(
+        "--redis-prefix",
+        default=store.redis_prefix,
+        help="key prefix on the shared server (replicas of one model share one prefix)",
+    )
+    p.add_argument(
+        "--doorkeeper-threshold",
+        type=int,
+        default=store.doorkeeper_threshold,
+        help="admit a chunk's cache once it was seen this often (shared by replicas)",
+    )
+    p.add_argument("--max-variants-per-chunk", type=int, default=store.max_variants_per_chunk)
+    p.add_argument(
+        "--storage-dtype", default=store.storage_dtype, choices=("float16", "bfloat16", "float32")
+    )
     p.add_argument("--max-queue", type=int, default=engine.max_queue)
     p.add_argument("--max-running", type=int, default=engine.max_running)
     p.add_argument("--token-budget", type=int, default=engine.token_budget)
@@ -80,15 +98,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def main_serve(args: argparse.Namespace) -> int:
-    from cachecraft.bench.calibrate import load_reuse_overrides
     from cachecraft.llm import reuse_config
     from cachecraft.server.launch import serve  # heavy imports only when serving
 
-    overrides = load_reuse_overrides(args.config)
-    if args.alpha is not None:
-        overrides["alpha"] = args.alpha
+    overrides = merge_overrides(load_reuse_overrides(args.config), alpha=args.alpha)
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # `cachecraft` already configured logging (WARNING, or INFO with -v): --log-level wins here
+    logging.getLogger().setLevel(args.log_level.upper())
     cache_dir = args.cache_dir or None
     if cache_dir is not None:
         try:
@@ -116,8 +132,21 @@ def main_serve(args: argparse.Namespace) -> int:
             shutdown_timeout_s=args.shutdown_timeout_s,
         ),
         store=StoreConfig(
-            memory_bytes=args.memory_bytes, cache_dir=cache_dir, redis_url=args.redis_url
+            memory_bytes=args.memory_bytes,
+            disk_bytes=args.disk_bytes,
+            redis_bytes=args.redis_bytes,
+            cache_dir=cache_dir,
+            redis_url=args.redis_url,
+            redis_prefix=args.redis_prefix,
+            doorkeeper_threshold=args.doorkeeper_threshold,
+            max_variants_per_chunk=args.max_variants_per_chunk,
+            storage_dtype=args.storage_dtype,
         ),
-        engine=EngineConfig(args.token_budget, args.max_running, args.max_queue, args.mode),
+        engine=EngineConfig(
+            token_budget=args.token_budget,
+            max_running=args.max_running,
+            max_queue=args.max_queue,
+            mode=args.mode,
+        ),
     )
     return 0

@@ -7,51 +7,66 @@ the base URL (tests, benchmarks); `serve(...)` runs it in the foreground (`cache
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import uvicorn
 
 from cachecraft.config import ReuseConfig
 from cachecraft.engine.engine import Engine, EngineConfig
 from cachecraft.engine.runner import Runner
+from cachecraft.errors import CachecraftError
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server.app import create_app
 from cachecraft.server.config import ServerConfig
-from cachecraft.store.config import StoreConfig, make_store
+from cachecraft.store.base import ChunkStore
+from cachecraft.store.config import StoreConfig
+from cachecraft.store.store import make_store
 
 log = logging.getLogger(__name__)
 
 
-def build_engine(
-    mode: str = "cachecraft",
+class Stack(NamedTuple):
+    """What `build_stack` built: the started engine and the store its runner uses (the app gets
+    the store from here, never from inside the engine)."""
+
+    engine: Engine
+    store: ChunkStore
+
+
+def build_stack(
+    mode: str | None = None,
     *,
     model: str | None = None,
     loaded: LoadedModel | None = None,
     reuse: ReuseConfig | None = None,
     store: StoreConfig | None = None,
     engine: EngineConfig | None = None,
-) -> Engine:
-    """A started Engine for `mode` (the server default; requests may override it)."""
-    loaded = loaded or load_model(model)
-    reuse = reuse or ReuseConfig()
-    store = store or StoreConfig(max_variants_per_chunk=reuse.max_variants_per_chunk)
+) -> Stack:
+    """A started Engine for `mode` (the server default; requests may override it) over a store
+    built from `store`. `mode` and `engine.mode` are one setting: two different values are an
+    error; so are both `model` and `loaded`."""
+    if model is not None and loaded is not None:
+        raise ValueError("give the model once: `model` (a path) or `loaded`, not both")
     config = engine or EngineConfig()
-    if config.mode != mode:
-        config = EngineConfig(config.token_budget, config.max_running, config.max_queue, mode)
-    runner = Runner(loaded, make_store(store), reuse)
-    return Engine(runner, config).start()
+    if mode is not None and mode != config.mode:
+        if engine is not None and config.mode != EngineConfig().mode:
+            raise ValueError(f"mode given twice: {mode!r} and engine.mode={config.mode!r}")
+        config = dataclasses.replace(config, mode=mode)
+    loaded = loaded or load_model(model)
+    chunk_store = make_store(store or StoreConfig())
+    runner = Runner(loaded, chunk_store, reuse or ReuseConfig())
+    return Stack(Engine(runner, config).start(), chunk_store)
 
 
-def close_engine(engine: Engine) -> None:
-    engine.stop()
-    close = getattr(engine.runner.store, "close", None)
-    if close is not None:
-        close()
+def close_stack(stack: Stack) -> None:
+    stack.engine.stop()
+    stack.store.close()
 
 
 def _uvicorn(app: Any, log_level: str, shutdown_timeout_s: float) -> uvicorn.Server:
@@ -67,21 +82,21 @@ def _uvicorn(app: Any, log_level: str, shutdown_timeout_s: float) -> uvicorn.Ser
 
 @contextlib.contextmanager
 def start_server(
-    mode: str = "cachecraft",
+    mode: str | None = None,
     *,
     server: ServerConfig | None = None,
     log_level: str = "warning",
     **engine_kw: Any,
 ) -> Iterator[str]:
     """Serve on 127.0.0.1:<free port> in a thread; yields "http://127.0.0.1:PORT".
-    engine_kw go to `build_engine` (model, loaded, reuse, store, engine)."""
-    engine = build_engine(mode, **engine_kw)
+    engine_kw go to `build_stack` (model, loaded, reuse, store, engine)."""
+    stack = build_stack(mode, **engine_kw)
     try:
-        app = create_app(engine, server)
+        app = create_app(stack.engine, stack.store, server)
         with serve_app(app, log_level) as url:
             yield url
     finally:
-        close_engine(engine)
+        close_stack(stack)
 
 
 @contextlib.contextmanager
@@ -111,7 +126,7 @@ def serve_app(app: Any, log_level: str = "warning") -> Iterator[str]:
 
 
 def serve(
-    mode: str = "cachecraft",
+    mode: str | None = None,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -121,22 +136,34 @@ def serve(
 ) -> None:
     """Serve in the foreground until SIGTERM / SIGINT; open requests get
     `shutdown_timeout_s` to finish (those waiting on a dead engine are failed at once), so
-    stopping always ends."""
+    stopping always ends. `port=0` takes a free port; the log line "serving ... on
+    http://HOST:PORT" names the one bound."""
     server = server or ServerConfig()
-    engine = build_engine(mode, **engine_kw)
-    app = create_app(engine, server)
+    stack = build_stack(mode, **engine_kw)
+    engine = stack.engine
+    app = create_app(engine, stack.store, server)
     loaded = engine.runner.loaded
-    log.info("serving %s (mode %s) on http://%s:%d", loaded.name, mode, host, port)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        close_stack(stack)
+        app.state.tokenize.shutdown(wait=False)
+        raise CachecraftError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    bound = sock.getsockname()[1]
+    log.info("serving %s (mode %s) on http://%s:%d", loaded.name, engine.config.mode, host, bound)
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level=log_level,
         lifespan="off",
         timeout_graceful_shutdown=server.shutdown_timeout_s,
     )
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
-        close_engine(engine)
+        sock.close()
+        close_stack(stack)
         app.state.tokenize.shutdown(wait=False)

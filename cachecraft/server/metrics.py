@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from cachecraft.engine.engine import Engine
 from cachecraft.engine.report import RequestReport
+from cachecraft.store.base import ChunkStore
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -20,8 +21,9 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 class _LiveCollector:
     """Reads the store's and the engine's state when Prometheus scrapes."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, store: ChunkStore) -> None:
         self.engine = engine
+        self.store = store
 
     def collect(self) -> Iterator[Metric]:
         e = self.engine
@@ -31,10 +33,7 @@ class _LiveCollector:
         running = GaugeMetricFamily("cachecraft_running_requests", "Requests holding a KV cache")
         running.add_metric([], e.num_running)
         yield running
-        stats_fn = getattr(e.runner.store, "stats", None)
-        if stats_fn is None:
-            return
-        st = stats_fn()
+        st = self.store.stats()
         nbytes = GaugeMetricFamily(
             "cachecraft_store_bytes", "Bytes stored per tier", labels=["tier"]
         )
@@ -67,7 +66,7 @@ class _LiveCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, store: ChunkStore) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -100,7 +99,7 @@ class ServerMetrics:
         self.aborted = Counter(
             "cachecraft_requests_aborted", "Requests freed after the client left", registry=r
         )
-        r.register(_LiveCollector(engine))
+        r.register(_LiveCollector(engine, store))
 
     def observe(self, report: RequestReport | None, completion_tokens: int, latency_s: float):
         self.latency.observe(latency_s)

@@ -1,33 +1,116 @@
-"""ChunkStore: the narrow interface the planner and runner use to reach chunk-caches.
+"""ChunkStore: the whole interface callers (planner, runner, engine, server, benchmarks) use to
+reach chunk-caches, with the contract of each method. Nobody probes a store with `getattr`.
 
-Implementations: `memory.MemoryStore` (LRU, one tier) and the tiered store.
+The one implementation is `store.TieredStore`; `memory.MemoryStore` is its memory-only, LRU
+configuration. Tiers below it (`RamTier`, `DiskTier`, `RedisTier`) share one `put`/`get` shape
+(`tier.Tier`) and are not ChunkStores.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, NamedTuple, Protocol
 
+from cachecraft.store.layers import LayerReader
 from cachecraft.store.meta import VariantMeta
+from cachecraft.store.stats import StoreStats
 from cachecraft.store.variant import Variant
+
+StorageDtype = Literal["float16", "bfloat16", "float32"]
+
+
+class TierHealth(NamedTuple):
+    """One tier as `/health` reports it."""
+
+    name: str
+    """memory, host, disk or redis."""
+    is_reachable: bool
+    """False only for a shared tier that is down (then the store serves from local tiers)."""
+    num_variants: int
+    nbytes: int
 
 
 class ChunkStore(Protocol):
+    @property
+    def storage_dtype(self) -> StorageDtype:
+        """The dtype new variants' K/V are cast to before `offer` (the runner reads it)."""
+        ...
+
     def variants(self, chunk_key: str) -> list[VariantMeta]:
-        """Metadata of every stored variant of `chunk_key` (cheap: no tensors are read)."""
+        """Metadata of every stored variant of `chunk_key`, pinned ones included, each id once
+        (cheap: no tensors are read). An unreachable tier contributes nothing; never raises."""
         ...
 
     def load(self, variant_id: str) -> Variant | None:
-        """The variant's K/V, or None if it is gone (evicted, corrupt, unreachable)."""
+        """The variant's K/V, promoted into memory; None if it is gone (evicted, corrupt,
+        unreachable). Never raises for a missing variant."""
         ...
 
     def offer(self, variant: Variant) -> bool:
-        """Offer a freshly computed variant; admission decides. Returns True if it was stored."""
+        """Offer a freshly computed variant; admission (doorkeeper, per-chunk cap, policy)
+        decides. Returns True if at least one tier stored it."""
+        ...
+
+    def would_admit(self, chunk_key: str) -> bool:
+        """Would admission let in a variant of `chunk_key` offered by a request that misses it
+        now (its miss counted)? Cheap; the prefill skips attention statistics for chunks that
+        would be turned away. Space may still refuse it later."""
         ...
 
     def record_hit(self, variant_id: str, cfo: float) -> None:
-        """A request reused this variant, recomputing a fraction `cfo` of its tokens."""
+        """A request reused this variant, recomputing a fraction `cfo` of its tokens (feeds the
+        eviction policy; shared with other processes when the store is)."""
         ...
 
     def record_miss(self, chunk_key: str) -> None:
-        """A request needed `chunk_key` and no variant was found."""
+        """A request needed `chunk_key` and no variant was found (one doorkeeper sighting)."""
+        ...
+
+    def prefetch(self, variant_ids: list[str]) -> None:
+        """Start bringing these variants from slow tiers into memory in the background; returns
+        at once. A later `load`/`open_layers` waits for an in-flight fetch instead of repeating
+        it. Unknown ids are ignored."""
+        ...
+
+    def open_layers(self, variant_id: str) -> LayerReader | None:
+        """A layer-wise reader of the variant's K/V (from memory as slices, from disk lazily
+        with read-ahead); None if the variant is nowhere. The caller closes it."""
+        ...
+
+    def pin(self, variant: Variant) -> None:
+        """Keep `variant` in memory and never evict it (it is served even when admission or
+        capacity would refuse it) until `remove` of its chunk or `clear`."""
+        ...
+
+    def pinned_chunk_keys(self) -> set[str]:
+        """Chunk keys with at least one pinned variant."""
+        ...
+
+    def pinned_nbytes(self, chunk_keys: set[str]) -> int:
+        """Bytes pinned for variants of these chunk keys (one tenant's share)."""
+        ...
+
+    def remove(self, chunk_key: str) -> int:
+        """Unpin and drop every variant of `chunk_key` from every tier; returns how many
+        variant ids were dropped (0 if none)."""
+        ...
+
+    def clear(self) -> None:
+        """Drop every variant (pinned ones too) from every tier, shared tiers included."""
+        ...
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters with current bytes and counts per tier."""
+        ...
+
+    def health(self) -> list[TierHealth]:
+        """Each configured tier, top down, with whether it is reachable now."""
+        ...
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every tier is internally consistent and within capacity
+        and the per-chunk cap holds (tests call this after every step)."""
+        ...
+
+    def close(self) -> None:
+        """Finish background work and release files and connections. Idempotent."""
         ...

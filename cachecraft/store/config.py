@@ -1,13 +1,13 @@
-"""StoreConfig (every store knob, one field each) and `make_store`, the one factory.
+"""StoreConfig: every store knob, one field each, with defaults and validation.
 
-Owns defaults and validation; builds stores but holds no state of its own.
+Builds nothing (the factory is `store.make_store`), so it imports no tier.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from cachecraft.store.base import ChunkStore
 from cachecraft.store.policy import POLICIES
 
 GiB = 1 << 30
@@ -31,7 +31,14 @@ class StoreConfig:
     doorkeeper_threshold: int = 2
     """A chunk's variant is admitted once the chunk was seen this many times (<= 1: always)."""
     doorkeeper_size: int = 65536
+    """Chunk keys whose sightings are remembered (locally and in the SQLite tally)."""
+    shared_ttl_s: float = 7 * 86400.0
+    """In Redis, a chunk's sightings and a variant's hit statistics expire this long after
+    their last update (bounds what the shared tally keeps)."""
     max_variants_per_chunk: int = 4
+    """Variants kept per chunk (different S_old); the least valuable goes past it."""
+    storage_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    """dtype of stored K/V (the runner casts new variants to it before offering them)."""
     int8: bool = False
     """Store K/V as int8 with per-channel scales on disk and in Redis (memory keeps the dtype)."""
     decay_half_life: float = 10000.0
@@ -49,10 +56,5 @@ class StoreConfig:
             raise ValueError("max_variants_per_chunk must be >= 1")
         if min(self.memory_bytes, self.host_bytes, self.disk_bytes, self.redis_bytes) < 0:
             raise ValueError("capacities must be >= 0")
-
-
-def make_store(config: StoreConfig) -> ChunkStore:
-    """The tiered store for `config` (memory only when no cache_dir and no redis_url)."""
-    from cachecraft.store.store import TieredStore
-
-    return TieredStore(config)
+        if self.storage_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"storage_dtype {self.storage_dtype!r}: float16, bfloat16 or float32")

@@ -10,7 +10,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 PolicyName = Literal["value", "lru", "lfu"]
 POLICIES: tuple[str, ...] = ("value", "lru", "lfu")
@@ -29,6 +29,8 @@ class VariantStats:
     freq: float = 0.0
     """Decayed hit frequency as of `last_tick`."""
     last_tick: float = 0.0
+    last_use: int = 0
+    """This process's use counter at its last admission, load or hit (LRU order)."""
 
     def mean_cfo(self, prior: float) -> float:
         return self.cfo_sum / self.hits if self.hits else prior
@@ -70,7 +72,9 @@ class EvictionPolicy:
 
     def order(self, stats: Iterable[VariantStats], now: float) -> list[VariantStats]:
         """Least valuable first; ties broken by age, then id, so the order is deterministic."""
-        return sorted(stats, key=lambda s: (self.score(s, now), s.last_tick, s.variant_id))
+        return sorted(
+            stats, key=lambda s: (self.score(s, now), s.last_tick, s.last_use, s.variant_id)
+        )
 
     def victims(
         self,
@@ -107,12 +111,12 @@ class ValuePolicy(EvictionPolicy):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used (admission, hit) goes first."""
+    """Least recently used (admission, load, hit) goes first."""
 
     name = "lru"
 
     def score(self, stats: VariantStats, now: float) -> float:
-        return stats.last_tick
+        return float(stats.last_use)
 
 
 class LFUPolicy(EvictionPolicy):
@@ -138,42 +142,66 @@ def make_policy(name: str, half_life: float = 2000.0, prior_cfo: float = 0.5) ->
     return classes[name](half_life=half_life, prior_cfo=prior_cfo)
 
 
+class SightingCounter(Protocol):
+    """Where sightings are counted (`tally.Tally`: this process, a SQLite file, or Redis)."""
+
+    def sight(self, chunk_key: str) -> int: ...
+
+    def sightings(self, chunk_key: str) -> int: ...
+
+
 class Doorkeeper:
     """Counts sightings per chunk key; a chunk is admitted once seen `threshold` times.
 
     A request that misses a chunk and then offers its variant is one sighting, not two: a miss
-    leaves the key pending and the next offer of that key does not count again. At most
-    `max_keys` keys are remembered (oldest forgotten first). threshold <= 1 admits everything.
+    leaves the key pending and the next offer of that key does not count again (pending keys
+    are this process's; the counts live in `counter`, which several processes may share).
+    Without a counter at most `max_keys` keys are remembered (oldest forgotten first).
+    threshold <= 1 admits everything.
     """
 
-    def __init__(self, threshold: int = 2, max_keys: int = 65536) -> None:
+    def __init__(
+        self, threshold: int = 2, max_keys: int = 65536, counter: SightingCounter | None = None
+    ) -> None:
         self.threshold = threshold
         self.max_keys = max_keys
+        self.counter = counter
         self._counts: OrderedDict[str, int] = OrderedDict()
-        self._pending: set[str] = set()
+        self._pending: OrderedDict[str, None] = OrderedDict()
 
     def sight_miss(self, chunk_key: str) -> None:
         self._bump(chunk_key)
-        self._pending.add(chunk_key)
+        self._pending[chunk_key] = None
+        while len(self._pending) > self.max_keys:
+            self._pending.popitem(last=False)
 
     def sight_offer(self, chunk_key: str) -> None:
         if chunk_key in self._pending:
-            self._pending.discard(chunk_key)
+            del self._pending[chunk_key]
         else:
             self._bump(chunk_key)
 
     def count(self, chunk_key: str) -> int:
+        if self.counter is not None:
+            return self.counter.sightings(chunk_key)
         return self._counts.get(chunk_key, 0)
 
     def admits(self, chunk_key: str) -> bool:
         return self.threshold <= 1 or self.count(chunk_key) >= self.threshold
 
+    def would_admit_after_miss(self, chunk_key: str) -> bool:
+        """admits() once one more miss of `chunk_key` is counted (a miss always counts)."""
+        return self.threshold <= 1 or self.count(chunk_key) + 1 >= self.threshold
+
     def __len__(self) -> int:
         return len(self._counts)
 
     def _bump(self, chunk_key: str) -> None:
+        if self.counter is not None:
+            self.counter.sight(chunk_key)
+            return
         self._counts[chunk_key] = self._counts.get(chunk_key, 0) + 1
         self._counts.move_to_end(chunk_key)
         while len(self._counts) > self.max_keys:
             old, _ = self._counts.popitem(last=False)
-            self._pending.discard(old)
+            self._pending.pop(old, None)

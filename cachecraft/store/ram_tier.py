@@ -1,7 +1,7 @@
 """RamTier: variants held as tensors on one device (accelerator memory or host RAM).
 
-Owns the tensors and a per-chunk index; never chooses victims (the tiered store does, through
-the eviction policy) and never evicts on its own: `put` assumes room was made.
+Owns the tensors and a per-chunk index; never chooses victims: `put` evicts what the caller's
+`choose` picks (the tiered store's eviction policy). Not thread-safe: the store locks.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from cachecraft.store.meta import VariantMeta
+from cachecraft.store.policy import VariantStats
+from cachecraft.store.tier import Chooser
 from cachecraft.store.variant import Variant
 
 
@@ -36,15 +38,37 @@ class RamTier:
     def metas(self, chunk_key: str) -> list[VariantMeta]:
         return [self._variants[v].meta for v in self._by_chunk.get(chunk_key, ())]
 
-    def get(self, variant_id: str) -> Variant | None:
+    def get(self, variant_id: str, device: torch.device | str | None = None) -> Variant | None:
+        """The variant as held here (`device` is this tier's; the argument is for the shape)."""
         return self._variants.get(variant_id)
 
     def free_bytes(self) -> int:
         return self.capacity_bytes - self.nbytes
 
-    def put(self, variant: Variant) -> None:
+    def put(self, variant: Variant, stats: VariantStats, choose: Chooser) -> list[str] | None:
         vid = variant.variant_id
-        self.delete(vid)
+        if vid in self._variants:
+            return []
+        if variant.nbytes > self.capacity_bytes:
+            return None
+        evicted: list[str] = []
+        need = variant.nbytes - self.free_bytes()
+        if need > 0:
+            residents = [
+                VariantStats(v.variant_id, v.chunk_key, v.meta.num_tokens, v.nbytes)
+                for v in self._variants.values()
+            ]
+            victims = choose(residents, need)
+            if victims is None:
+                return None
+            for victim in victims:
+                self.delete(victim.variant_id)
+                evicted.append(victim.variant_id)
+        self._place(variant)
+        return evicted
+
+    def _place(self, variant: Variant) -> None:
+        vid = variant.variant_id
         if variant.keys.device != self.device:
             variant = Variant(
                 variant.meta,

@@ -18,6 +18,8 @@ import torch
 
 from cachecraft.store import codec
 from cachecraft.store.meta import VariantMeta
+from cachecraft.store.policy import VariantStats
+from cachecraft.store.tier import Chooser
 from cachecraft.store.variant import Variant
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,8 @@ _ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 class RedisTier:
-    """Capacity counts blob bytes; beyond it the least recently accessed variants go (LRU:
-    access times are shared by every process, value scores are not)."""
+    """Capacity counts blob bytes. `put` offers `choose` the residents least recently accessed
+    first (access times are shared by every process), each with `last_tick` = its access time."""
 
     name = "redis"
 
@@ -124,13 +126,35 @@ class RedisTier:
         return int(self._call(lambda: self.client.hlen(self._k("sizes")), 0))
 
     # -- writes ---------------------------------------------------------------------------
-    def put(self, variant: Variant) -> bool:
+    @property
+    def is_reachable(self) -> bool:
+        """Pings unless inside a back-off after an error."""
+        return bool(self._call(self.client.ping, False))
+
+    def put(self, variant: Variant, stats: VariantStats, choose: Chooser) -> list[str] | None:
         data = codec.to_bytes(variant, self.int8)
         if len(data) > self.capacity_bytes:
-            return False
+            return None
         vid, chunk = variant.variant_id, variant.chunk_key
 
-        def write() -> bool:
+        def write() -> list[str] | None:
+            sizes = {k.decode(): int(v) for k, v in self.client.hgetall(self._k("sizes")).items()}
+            sizes.pop(vid, None)
+            need = sum(sizes.values()) + len(data) - self.capacity_bytes
+            evicted: list[str] = []
+            if need > 0:
+                lru = self.client.zrange(self._k("lru"), 0, -1, withscores=True)
+                residents = [
+                    VariantStats(v.decode(), "", 0, sizes[v.decode()], last_tick=t)
+                    for v, t in lru
+                    if v.decode() in sizes
+                ]
+                victims = choose(residents, need)
+                if victims is None:
+                    return None
+                for s in victims:
+                    self._delete(s.variant_id)
+                    evicted.append(s.variant_id)
             pipe = self.client.pipeline()
             pipe.hset(
                 self._k("v", vid),
@@ -145,21 +169,9 @@ class RedisTier:
             pipe.hset(self._k("sizes"), vid, len(data))
             pipe.zadd(self._k("lru"), {vid: time.time()})
             pipe.execute()
-            self._evict_over_capacity()
-            return True
+            return evicted
 
-        return self._call(write, False)
-
-    def _evict_over_capacity(self) -> None:
-        total = sum(int(s) for s in self.client.hvals(self._k("sizes")))
-        if total <= self.capacity_bytes:
-            return
-        for raw in self.client.zrange(self._k("lru"), 0, -1):
-            vid = raw.decode()
-            total -= int(self.client.hget(self._k("sizes"), vid) or 0)
-            self._delete(vid)
-            if total <= self.capacity_bytes:
-                break
+        return self._call(write, None)
 
     def _delete(self, variant_id: str) -> bool:
         key = self._k("v", variant_id)

@@ -35,6 +35,9 @@ class StoreStats:
     layer_hidden_s: float = 0.0
     """Layer read time overlapped with the caller's compute (read-ahead)."""
     redis_errors: int = 0
+    disk_write_errors: int = 0
+    """Disk writes that failed (full, unwritable); the variant stayed in the tiers above."""
+    last_disk_write_error: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         out = dataclasses.asdict(self)

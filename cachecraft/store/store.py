@@ -1,14 +1,16 @@
-"""TieredStore: the ChunkStore over memory -> host -> disk -> Redis tiers.
+"""TieredStore: the ChunkStore over memory -> host -> disk -> Redis tiers, and `make_store`.
 
 Owns the lookup cascade (promotion on hit), admission (doorkeeper, per-chunk cap, policy),
-eviction with demotion, write-through to disk and Redis, and prefetch. Tensors are moved, never
-computed here; ranking arithmetic lives in `policy`, file and wire formats in `disk`/`codec`.
+eviction with demotion, write-through to disk and Redis, pinning and prefetch. Tensors are
+moved, never computed here; ranking arithmetic lives in `policy`, shared counts in `tally`,
+file and wire formats in `disk`/`codec`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -16,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from cachecraft.store.base import StorageDtype, TierHealth
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import DiskTier
 from cachecraft.store.layers import LayerReader, ReadAheadLayerReader, TensorLayerReader
@@ -24,6 +27,7 @@ from cachecraft.store.policy import Doorkeeper, VariantStats, make_policy
 from cachecraft.store.ram_tier import RamTier
 from cachecraft.store.redis_tier import RedisTier
 from cachecraft.store.stats import StoreStats
+from cachecraft.store.tally import LocalTally, RedisTally, SqliteTally, Tally
 from cachecraft.store.variant import Variant
 
 logger = logging.getLogger(__name__)
@@ -37,7 +41,6 @@ class TieredStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.policy = make_policy(config.policy, config.decay_half_life, config.prior_cfo)
-        self.doorkeeper = Doorkeeper(config.doorkeeper_threshold, config.doorkeeper_size)
         device = torch.device(config.device)
         self.ram: list[RamTier] = [RamTier("memory", config.memory_bytes, device)]
         if device.type != "cpu" and config.host_bytes > 0:
@@ -58,8 +61,16 @@ class TieredStore:
             if config.redis_url and config.redis_bytes > 0
             else None
         )
+        self.tally: Tally = self._make_tally()
+        """Sightings, clock and hit statistics: shared through Redis, else the disk directory."""
+        self.doorkeeper = Doorkeeper(
+            config.doorkeeper_threshold, config.doorkeeper_size, counter=self.tally
+        )
         self._stats_by_id: dict[str, VariantStats] = {}
-        self._tick = 0.0
+        self._pinned: dict[str, Variant] = {}
+        self._tick = self.tally.now()
+        self._use = 0
+        self._closed = False
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-prefetch")
         self._inflight: dict[str, Future[float]] = {}
@@ -68,10 +79,28 @@ class TieredStore:
         self.eviction_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
         """(tier, variant_id, reason) of recent evictions, oldest first (tests, debugging)."""
 
+    def _make_tally(self) -> Tally:
+        cfg = self.config
+        if self.redis is not None:
+            return RedisTally(
+                self.redis.client, cfg.redis_prefix + "tally:", cfg.doorkeeper_size,
+                backoff_s=cfg.redis_backoff_s, ttl_s=cfg.shared_ttl_s,
+            )  # fmt: skip
+        if self.disk is not None:
+            return SqliteTally(self.disk.root, cfg.doorkeeper_size)
+        return LocalTally(cfg.doorkeeper_size)
+
     # -- ChunkStore -------------------------------------------------------------------------
+    @property
+    def storage_dtype(self) -> StorageDtype:
+        return self.config.storage_dtype
+
     def variants(self, chunk_key: str) -> list[VariantMeta]:
         found: dict[str, VariantMeta] = {}
         with self._lock:
+            for v in self._pinned.values():
+                if v.chunk_key == chunk_key:
+                    found[v.variant_id] = v.meta
             for tier in self.ram:
                 for meta in tier.metas(chunk_key):
                     found.setdefault(meta.variant_id, meta)
@@ -82,6 +111,11 @@ class TieredStore:
         return list(found.values())
 
     def load(self, variant_id: str) -> Variant | None:
+        with self._lock:
+            pinned = self._pinned.get(variant_id)
+            if pinned is not None:
+                self._stats.hits["pinned"] += 1
+                return pinned
         waited, bg = self._wait_prefetch(variant_id)
         with self._lock:
             for tier in self.ram:
@@ -89,6 +123,7 @@ class TieredStore:
                 if variant is None:
                     self._stats.tier_misses[tier.name] += 1
                 else:
+                    self._touch(variant_id)
                     self._stats.hits[tier.name] += 1
                     if bg is not None:
                         self._stats.prefetch_hidden_s += max(0.0, bg - waited)
@@ -104,7 +139,15 @@ class TieredStore:
                 return None
             self._stats.hits[tier_name] += 1
             self._place(variant)
+            self._touch(variant_id)
             return self.ram[0].get(variant_id) or variant
+
+    def _touch(self, variant_id: str) -> None:
+        """Mark a use (LRU order). Caller holds the lock."""
+        st = self._stats_by_id.get(variant_id)
+        if st is not None:
+            self._use += 1
+            st.last_use = self._use
 
     def offer(self, variant: Variant) -> bool:
         chunk, vid = variant.chunk_key, variant.variant_id
@@ -113,10 +156,13 @@ class TieredStore:
             if not self.doorkeeper.admits(chunk):
                 self._stats.rejected["doorkeeper"] += 1
                 return False
-            st = self._stats_by_id.get(vid)  # a re-offered variant keeps its hit history
+            st = self._stats_of(vid)  # a re-offered variant keeps its hit history
             if st is None:
                 st = VariantStats(vid, chunk, variant.meta.num_tokens, variant.nbytes)
                 self.policy.on_admit(st, self.doorkeeper.count(chunk), self._tick)
+                self.tally.save(st)
+            self._use += 1
+            st.last_use = self._use
             if not self._enforce_chunk_cap(st):
                 self._stats.rejected["chunk_cap"] += 1
                 return False
@@ -125,7 +171,7 @@ class TieredStore:
         if self.disk is not None:
             stored = self._disk_put(variant, st) or stored
         if self.redis is not None:
-            stored = self.redis.put(variant) or stored
+            stored = self.redis.put(variant, st, _in_order) is not None or stored
         with self._lock:
             if stored:
                 self._stats.admitted += 1
@@ -137,18 +183,32 @@ class TieredStore:
         return stored
 
     def record_hit(self, variant_id: str, cfo: float) -> None:
+        tick = self.tally.tick()
+        shared = self.tally.stats_of(variant_id) if self.tally.is_shared else None
         with self._lock:
-            self._tick += 1
-            st = self._stats_of(variant_id)
+            self._tick = max(self._tick, tick)
+            local = self._stats_of(variant_id)
+            st = shared or local
             if st is None:
                 return
+            if local is not None and shared is not None:  # hits from every process
+                st.last_use = local.last_use
+                self._stats_by_id[variant_id] = st
+            self._use += 1
+            st.last_use = self._use
             self.policy.on_hit(st, cfo, self._tick)
+        self.tally.save(st)
         if self.disk is not None and variant_id in self.disk:
             self.disk.update_stats(st)
 
-    def record_miss(self, chunk_key: str) -> None:
+    def would_admit(self, chunk_key: str) -> bool:
         with self._lock:
-            self._tick += 1
+            return self.doorkeeper.would_admit_after_miss(chunk_key)
+
+    def record_miss(self, chunk_key: str) -> None:
+        tick = self.tally.tick()
+        with self._lock:
+            self._tick = max(self._tick, tick)
             self._stats.misses += 1
             self.doorkeeper.sight_miss(chunk_key)
 
@@ -158,6 +218,8 @@ class TieredStore:
         request is queued); a later load() finds them in memory."""
         with self._lock:
             for vid in variant_ids:
+                if vid in self._pinned:
+                    continue
                 if vid not in self.ram[0] and vid not in self._inflight:
                     self._inflight[vid] = self._pool.submit(self._prefetch_one, vid)
 
@@ -198,11 +260,17 @@ class TieredStore:
     def open_layers(self, variant_id: str) -> LayerReader | None:
         """Layer-wise reader: from memory as slices, from disk lazily with read-ahead of layer
         l+1 while the caller computes layer l. None if the variant is nowhere."""
+        with self._lock:
+            pinned = self._pinned.get(variant_id)
+            if pinned is not None:
+                self._stats.hits["pinned"] += 1
+                return TensorLayerReader(pinned.keys, pinned.values)
         self._wait_prefetch(variant_id)
         with self._lock:
             for tier in self.ram:
                 variant = tier.get(variant_id)
                 if variant is not None:
+                    self._touch(variant_id)
                     self._stats.hits[tier.name] += 1
                     return TensorLayerReader(variant.keys, variant.values)
         if self.disk is not None:
@@ -238,28 +306,30 @@ class TieredStore:
             vid, variant.chunk_key, variant.meta.num_tokens, variant.nbytes
         )
         self._stats_by_id.setdefault(vid, st)
-        if variant.nbytes > tier.capacity_bytes:
+        leaving: list[Variant] = []
+
+        def choose(residents: list[VariantStats], need: int) -> list[VariantStats] | None:
+            known = [self._stats_of(s.variant_id) or s for s in residents]
+            victims = self.policy.victims(known, need, self._tick, st)
+            if victims is not None:  # keep the tensors: a victim is demoted, not lost
+                leaving.extend(v for v in (tier.get(s.variant_id) for s in victims) if v)
+            return victims
+
+        evicted = tier.put(variant, st, choose)
+        if evicted is None:
             return False
-        need = variant.nbytes - tier.free_bytes()
-        if need > 0:
-            residents = [self._stats_of(v) for v in tier.ids()]
-            victims = self.policy.victims([s for s in residents if s], need, self._tick, st)
-            if victims is None:
-                return False
-            for victim in victims:
-                self._evict(tier, level, victim.variant_id)
-        tier.put(variant)
+        for victim in leaving:
+            self._evicted(level, victim)
         for lower in self.ram[level + 1 :]:  # promoted out of a lower RAM tier: one copy in RAM
             lower.delete(vid)
         return True
 
-    def _evict(self, tier: RamTier, level: int, variant_id: str) -> None:
-        variant = tier.get(variant_id)
-        tier.delete(variant_id)
-        self._stats.evictions[f"{tier.name}:capacity"] += 1
-        self.eviction_log.append((tier.name, variant_id, "capacity"))
-        if variant is None:
-            return
+    def _evicted(self, level: int, variant: Variant) -> None:
+        """`variant` left RAM tier `level` for capacity: demote it. Caller holds the lock."""
+        variant_id = variant.variant_id
+        name = self.ram[level].name
+        self._stats.evictions[f"{name}:capacity"] += 1
+        self.eviction_log.append((name, variant_id, "capacity"))
         if level + 1 < len(self.ram):
             self._place(variant, level + 1)
         elif self.disk is not None and variant_id not in self.disk:
@@ -268,6 +338,7 @@ class TieredStore:
                 self._disk_put(variant, st)
         if not self._is_local(variant_id) and self.redis is None:
             self._stats_by_id.pop(variant_id, None)
+            self.tally.forget(variant_id)
 
     def _disk_put(self, variant: Variant, st: VariantStats) -> bool:
         assert self.disk is not None
@@ -288,6 +359,11 @@ class TieredStore:
         with self._lock:
             self._stats.evictions["disk:capacity"] += len(evicted)
             self.eviction_log.extend(("disk", v, "capacity") for v in evicted)
+            gone = [v for v in evicted if self.redis is None and not self._is_local(v)]
+            for v in gone:  # nowhere any more: its statistics go too
+                self._stats_by_id.pop(v, None)
+        for v in gone:
+            self.tally.forget(v)
         return True
 
     def _enforce_chunk_cap(self, st: VariantStats) -> bool:
@@ -318,6 +394,7 @@ class TieredStore:
         if self.redis is not None and self.redis.delete(variant_id):
             self._stats.evictions[f"redis:{reason}"] += 1
         self._stats_by_id.pop(variant_id, None)
+        self.tally.forget(variant_id)
 
     def _fetch_slow(self, variant_id: str) -> tuple[Variant | None, str]:
         """Disk, then Redis (a Redis hit is copied to local disk). No store lock held."""
@@ -344,11 +421,14 @@ class TieredStore:
         return None, ""
 
     def _stats_of(self, variant_id: str) -> VariantStats | None:
+        """This process's view, else the shared tally's, else the disk row's."""
         st = self._stats_by_id.get(variant_id)
+        if st is None and self.tally.is_shared:
+            st = self.tally.stats_of(variant_id)
         if st is None and self.disk is not None:
             st = self.disk.stats_of(variant_id)
-            if st is not None:
-                self._stats_by_id[variant_id] = st
+        if st is not None:
+            self._stats_by_id[variant_id] = st
         return st
 
     def _is_local(self, variant_id: str) -> bool:
@@ -379,7 +459,43 @@ class TieredStore:
                 snap.redis_errors = self.redis.num_errors
             if self.disk is not None:
                 snap.evictions["disk:corrupt"] = self.disk.num_corrupt
+                snap.disk_write_errors = self.disk.num_write_errors
+                snap.last_disk_write_error = self.disk.last_write_error
+            if self._pinned:
+                snap.nbytes["pinned"] = sum(v.nbytes for v in self._pinned.values())
+                snap.num_variants["pinned"] = len(self._pinned)
             return snap
+
+    def health(self) -> list[TierHealth]:
+        out = [TierHealth(t.name, True, len(t), t.nbytes) for t in self.ram]
+        if self.disk is not None:
+            ok = os.access(self.disk.root, os.W_OK)
+            n, nbytes = (len(self.disk), self.disk.nbytes) if ok else (0, 0)
+            out.append(TierHealth("disk", ok, n, nbytes))
+        if self.redis is not None:
+            up = self.redis.is_reachable
+            n, nbytes = (len(self.redis), self.redis.nbytes) if up else (0, 0)
+            out.append(TierHealth("redis", up, n, nbytes))
+        return out
+
+    def variant_ids(self) -> list[str]:
+        """Ids in memory, least valuable (for LRU: least recently used) first."""
+        with self._lock:
+            known = [self._stats_of(v) for v in self.ram[0].ids()]
+            return [s.variant_id for s in self.policy.order([s for s in known if s], self._tick)]
+
+    # -- pinning --------------------------------------------------------------------------
+    def pin(self, variant: Variant) -> None:
+        with self._lock:
+            self._pinned[variant.variant_id] = variant
+
+    def pinned_chunk_keys(self) -> set[str]:
+        with self._lock:
+            return {v.chunk_key for v in self._pinned.values()}
+
+    def pinned_nbytes(self, chunk_keys: set[str]) -> int:
+        with self._lock:
+            return sum(v.nbytes for v in self._pinned.values() if v.chunk_key in chunk_keys)
 
     def __len__(self) -> int:
         ids = {v for t in self.ram for v in t.ids()}
@@ -387,14 +503,22 @@ class TieredStore:
             ids |= {s.variant_id for s in self.disk.all_stats()}
         return len(ids)
 
+    def __contains__(self, variant_id: object) -> bool:
+        """Pinned or held by a local tier (memory, host, disk)."""
+        return isinstance(variant_id, str) and (
+            variant_id in self._pinned or self._is_local(variant_id)
+        )
+
     @property
     def nbytes(self) -> int:
         return self.ram[0].nbytes
 
     def remove(self, chunk_key: str) -> int:
-        """Drop every variant of `chunk_key` from every tier; returns how many ids were dropped."""
         with self._lock:
-            ids = {v for t in self.ram for v in t.chunk_ids(chunk_key)}
+            ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
+            for i in ids:
+                del self._pinned[i]
+            ids |= {v for t in self.ram for v in t.chunk_ids(chunk_key)}
             if self.disk is not None:
                 ids |= {m.variant_id for m in self.disk.metas(chunk_key)}
             if self.redis is not None:
@@ -405,6 +529,7 @@ class TieredStore:
 
     def clear(self) -> None:
         with self._lock:
+            self._pinned.clear()
             for tier in self.ram:
                 tier.clear()
             if self.disk is not None:
@@ -440,6 +565,27 @@ class TieredStore:
             self.redis.check_integrity()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._pool.shutdown(wait=True)
+        self.tally.close()
         if self.disk is not None:
             self.disk.close()
+
+
+def _in_order(residents: list[VariantStats], need: int) -> list[VariantStats] | None:
+    """The Redis tier's choice: residents in the order given (least recently accessed by any
+    process first) until `need` bytes are free; value scores are per process, access is shared."""
+    chosen, freed = [], 0
+    for s in residents:
+        if freed >= need:
+            break
+        chosen.append(s)
+        freed += s.nbytes
+    return chosen if freed >= need else None
+
+
+def make_store(config: StoreConfig) -> TieredStore:
+    """The tiered store for `config` (memory only when no cache_dir and no redis_url)."""
+    return TieredStore(config)

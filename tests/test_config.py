@@ -1,0 +1,49 @@
+"""One home per setting: the config file's errors name where a misplaced setting belongs; flags
+override the file; the environment is read in env.py only."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import cachecraft
+from cachecraft.config_file import load_reuse_overrides, merge_overrides
+from cachecraft.env import cache_home
+from cachecraft.errors import BadRequestError
+from cachecraft.store.config import StoreConfig
+
+
+def test_a_store_setting_in_the_reuse_section_names_the_store(tmp_path: Path) -> None:
+    path = tmp_path / "cachecraft.json"
+    path.write_text(json.dumps({"reuse": {"alpha": 0.2, "storage_dtype": "float32"}}))
+    with pytest.raises(BadRequestError, match="storage_dtype is a store setting"):
+        load_reuse_overrides(path)
+
+
+def test_flags_override_the_file() -> None:
+    assert merge_overrides({"alpha": 0.1, "epic_k": 8}, alpha=0.3) == {"alpha": 0.3, "epic_k": 8}
+    assert merge_overrides({"alpha": 0.1}, alpha=None) == {"alpha": 0.1}
+
+
+def test_store_config_rejects_a_bad_storage_dtype() -> None:
+    with pytest.raises(ValueError, match="storage_dtype"):
+        StoreConfig(storage_dtype="int4")  # type: ignore[arg-type]
+
+
+def test_cache_home_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_home() == tmp_path / "cachecraft"
+
+
+def test_only_env_py_reads_the_environment() -> None:
+    root = Path(cachecraft.__file__).parent
+    reading = re.compile(r"os\.environ(\.get|\.setdefault|\.pop|\[)|getenv|putenv")
+    readers = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if reading.search(p.read_text(encoding="utf-8"))
+    )
+    assert readers == ["env.py"]  # (child processes may be handed the whole environment)

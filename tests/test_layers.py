@@ -1,0 +1,86 @@
+"""The import structure docs/architecture.md describes: no import cycle between modules, and no
+package imports one from a higher layer (imports inside functions count too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cachecraft
+
+ROOT = Path(cachecraft.__file__).parent
+LAYERS = [
+    {"errors", "env", "config", "config_file", "request"},
+    {"model", "store"},
+    {"reuse"},
+    {"engine"},
+    {"llm"},
+    {"server"},
+    {"bench"},
+    {"cli", "cachecraft"},
+]
+LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    targets.append(full if full in mods else node.module)
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            edges[m] |= {t for t in targets if t in mods and t != m}
+    return edges
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "cachecraft"
+
+
+def test_every_package_has_a_layer() -> None:
+    assert {_package(m) for m in _modules()} <= set(LEVEL)
+
+
+def test_no_import_from_a_higher_layer() -> None:
+    edges = _edges(_modules())
+    upward = sorted(
+        f"{m} -> {t}"
+        for m, targets in edges.items()
+        for t in targets
+        if LEVEL[_package(t)] > LEVEL[_package(m)]
+    )
+    assert upward == []
+
+
+def test_no_import_cycle() -> None:
+    edges = _edges(_modules())
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                cycles.append([*path[path.index(t) :], t])
+            elif t not in state:
+                visit(t, [*path, t])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
