@@ -26,32 +26,77 @@ def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.repeat_interleave(group, dim=0) if group > 1 else x
 
 
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int | None
+def span_onehot(bounds: torch.Tensor, ctx: int, dtype: torch.dtype) -> torch.Tensor:
+    """[ctx, S]: 1 where key position m lies in span s of bounds [S, 2] (absolute start, end)."""
+    pos = torch.arange(ctx, device=bounds.device)
+    return ((pos[:, None] >= bounds[None, :, 0]) & (pos[:, None] < bounds[None, :, 1])).to(dtype)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
 ) -> torch.Tensor:
+    """4-D SDPA; mask None means plain causal (n == ctx)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _widen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, onehot: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused-statistics operands: V gets the S span-indicator columns (onehot [ctx, S]), Q
+    and K get S zero columns so all three share the width D + S (the CPU kernels want equal
+    widths) while every score q.k stays exactly what it was. Softmax rows then carry, in the
+    output's last S columns, the attention mass each row puts on each span."""
+    num_spans = onehot.shape[1]
+    qz = q.new_zeros((*q.shape[:-1], num_spans))
+    kz = k.new_zeros((*k.shape[:-1], num_spans))
+    ind = onehot.to(v.dtype).expand(v.shape[0], -1, -1)
+    return torch.cat([q, qz], -1), torch.cat([k, kz], -1), torch.cat([v, ind], -1)
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: int | None,
+    onehot: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [H, n, D] at sorted positions q_pos [n]; k, v [Hkv, ctx, D] with ctx = q_pos[-1] + 1.
 
-    Returns [H, n, D].
+    Returns (out [H, n, D], mass): with onehot [>= ctx, S] (see `span_onehot`), mass [n, S] is
+    each row's head-averaged attention probability on each span, computed by the same SDPA call
+    (fused: no score matrix of ours exists); without it mass is None.
     """
     num_heads, n, head_dim = q.shape
     num_kv, ctx = k.shape[0], k.shape[1]
     group = num_heads // num_kv
+    scale = head_dim**-0.5
+    if onehot is not None:
+        q, k, v = _widen(q, k, v, onehot[:ctx])
+    width = q.shape[-1]
     needs_window = window is not None and ctx > window
-    if not needs_window and n == ctx:
-        # q_pos == 0..ctx-1: plain causal (top-left aligned == exact here since n == ctx).
-        k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
-        return F.scaled_dot_product_attention(q[None], k, v, is_causal=True)[0]
-    mask = _mask(q_pos, ctx, window if needs_window else None)
-    if group * n <= ctx:
+    mask = None
+    if needs_window or n != ctx:
+        mask = _mask(q_pos, ctx, window if needs_window else None)
+    if mask is not None and group * n <= ctx:
         # Few rows (decode, partial prefill): fold the query heads of each KV group into rows
         # instead of copying K/V per head; head h reads KV head h // group.
-        qg = q.reshape(num_kv, group * n, head_dim)
-        out = F.scaled_dot_product_attention(
-            qg[None], k[None], v[None], attn_mask=mask.repeat(group, 1)
-        )
-        return out[0].reshape(num_heads, n, head_dim)
-    k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
-    return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask)[0]
+        qg = q.reshape(num_kv, group * n, width)
+        out = _sdpa(qg[None], k[None], v[None], mask.repeat(group, 1), scale)
+        out = out[0].reshape(num_heads, n, width)
+    else:
+        # q_pos == 0..ctx-1 when mask is None: plain causal (top-left aligned == exact).
+        k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
+        out = _sdpa(q[None], k, v, mask, scale)[0]
+    if onehot is None:
+        return out, None
+    return out[..., :head_dim], out[..., head_dim:].mean(0)
 
 
 def row_span_mass(

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.arch import ModelArch
-from cachecraft.model.attention import causal_attention, row_span_mass
+from cachecraft.model.attention import causal_attention, span_onehot
 from cachecraft.model.rope import Rope
 from cachecraft.model.step import LayerView, SeqResult, SeqWork
 
@@ -61,6 +61,8 @@ class _Rows:
             self.row_layers = torch.zeros(n)
             starts = work.span_bounds[:, 0].contiguous()
             self.row_span = torch.bucketize(work.positions, starts, right=True) - 1
+            ctx = int(work.positions[-1]) + 1
+            self.onehot = span_onehot(work.span_bounds.to(work.kv.k.device), ctx, work.kv.k.dtype)
             self.stats_rows = (
                 torch.ones(n, dtype=torch.bool)
                 if work.stats_rows is None
@@ -196,11 +198,12 @@ class LlamaModel:
         keys = kv_k[:, : last + 1].to(q.dtype)
         values = kv_v[:, : last + 1].to(q.dtype)
         window = self.arch.sliding_window
-        out = causal_attention(q, keys, values, pos, window)
-        if work.span_bounds is not None and bool(s.stats_rows.any()):
+        wants_stats = work.span_bounds is not None and bool(s.stats_rows.any())
+        onehot = s.onehot if wants_stats else None
+        out, mass = causal_attention(q, keys, values, pos, window, onehot)
+        if mass is not None:
             sel = s.stats_rows
-            mass = row_span_mass(q[:, sel], keys, pos[sel], work.span_bounds, window)
-            self._collect(s, s.index[sel], layer_idx, mass)
+            self._collect(s, s.index[sel], layer_idx, mass[sel].float())
         if hook is not None:
             view = LayerView(layer_idx, pos, q, k, v, k_old, v_old, keys, window)
             keep = hook(view)
