@@ -128,7 +128,7 @@ class LLM:
         for chunk in chunks:
             request = RagRequest(".", [*before, chunk], system=system, namespace=namespace)
             plan = self.runner.plan(request, "cachecraft", lookup=False)
-            job = self.runner.start(plan)
+            job = self.runner.start(plan, precompute=True)
             result = self.loaded.model.forward_step([job.work])[0]
             outcome = self.runner.finish(job, result)
             self.runner.commit(outcome)

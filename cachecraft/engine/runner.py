@@ -3,8 +3,9 @@
 plan(request, mode)  -> RecomputePlan            (store metadata only)
 start(plan)          -> PrefillJob (KV spliced: prefix cache + moved chunk K/V; SeqWork)
 model.forward_step([job.work, ...])              (one or many jobs batched by the engine)
-finish(job, result)  -> PrefillOutcome (first-token logits, report, new variants)
-commit(outcome)      -> variants offered to the store, off the time-to-first-token path
+finish(job, result)  -> PrefillOutcome (first-token logits, report)
+commit(outcome)      -> new variants assembled and offered to the store, the prefix cached:
+                        after the first token went out (off the time-to-first-token path)
 """
 
 from __future__ import annotations
@@ -50,17 +51,25 @@ class PrefillJob:
     t_start: float
     early_exit: EarlyTermination | None = None
     loader: LayerLoader | None = None
+    stat_chunks: tuple[int, ...] = ()
+    """Chunk indexes whose rows collect attention statistics (they become variants)."""
 
 
 @dataclass(slots=True)
 class PrefillOutcome:
+    """first_logits [vocab]; job and result stay until `Runner.variants` assembled the new
+    variants from them (the job's KV must not be rewritten at prompt positions before)."""
+
     first_logits: torch.Tensor
     report: RequestReport
-    variants: list[Variant] = field(default_factory=list)
     hits: list[tuple[str, float]] = field(default_factory=list)
     misses: list[str] = field(default_factory=list)
     rows_last_layer: torch.Tensor | None = None
     """Per computed row (PrefillJob.rows), the last layer it ran through."""
+    job: PrefillJob | None = None
+    result: SeqResult | None = None
+    variants: list[Variant] = field(default_factory=list)
+    is_assembled: bool = False
 
 
 class Runner:
@@ -99,8 +108,18 @@ class Runner:
         return plan_request(layout, variants, mode, self.reuse, m.arch.num_layers, budgets)
 
     # ---- KV assembly ----------------------------------------------------------------------
-    def start(self, plan: RecomputePlan, extra_capacity: int = 0, t_start: float | None = None):
-        """Splice the KV and build the SeqWork. A variant that cannot be loaded becomes a miss."""
+    def start(
+        self,
+        plan: RecomputePlan,
+        extra_capacity: int = 0,
+        t_start: float | None = None,
+        *,
+        precompute: bool = False,
+    ) -> PrefillJob:
+        """Splice the KV and build the SeqWork. A variant that cannot be loaded becomes a miss.
+
+        Statistics are collected only for missed chunks the store would admit (`precompute`:
+        for every chunk, whatever the store would say)."""
         t0 = time.perf_counter() if t_start is None else t_start
         m, layout = self.loaded, plan.layout
         kv = KVCache(m.arch, layout.num_tokens + extra_capacity, m.model.dtype, m.model.device)
@@ -128,7 +147,7 @@ class Runner:
         if loader.num_readers:
             work.before_layer = loader.fill_layer
         job = PrefillJob(plan, kv, work, positions, prefix is None, t0, loader=loader)
-        self._add_stats(job)
+        self._add_stats(job, precompute)
         self._add_hooks(job)
         return job
 
@@ -149,11 +168,20 @@ class Runner:
         loader.add(reader, cp.slot.start, cp.slot.end)
         return cp
 
-    def _add_stats(self, job: PrefillJob) -> None:
-        """Attention statistics for chunks computed in full: they become variants."""
+    def _add_stats(self, job: PrefillJob, precompute: bool) -> None:
+        """Attention statistics for chunks computed in full that will become variants; `full`
+        and `prefix` (which reuses only exact variants) never read them."""
         plan, layout = job.plan, job.plan.layout
-        misses = [cp for cp in plan.chunks if cp.variant is None]
-        if plan.mode == "full" or not misses:
+        if plan.mode in ("full", "prefix"):
+            return
+        picked = tuple(
+            i
+            for i, cp in enumerate(plan.chunks)
+            if cp.variant is None and (precompute or self.store.would_admit(cp.slot.key))
+        )
+        job.stat_chunks = picked
+        misses = [plan.chunks[i] for i in picked]
+        if not misses:
             return
         bounds = [(0, layout.prefix_len)]
         bounds += [(cp.slot.start, cp.slot.end) for cp in plan.chunks]
@@ -220,16 +248,34 @@ class Runner:
             layer_fraction=float((last + 1).sum()) / total_layers if total_layers else 0.0,
             prefix_cached=layout.prefix_len if not job.prefix_computed else 0,
         )
-        variants = []
-        if plan.mode != "full":
-            rope = self.loaded.model.rope
-            variants = make_variants(plan, job.rows, job.kv, result, rope, self.storage_dtype)
-        if job.prefix_computed and plan.mode != "full":
-            p = layout.prefix_len
-            self.prefix_cache.put(
-                layout.prefix_key, job.kv.k[:, :, :p].clone(), job.kv.v[:, :, :p].clone()
+        return PrefillOutcome(result.logits[-1], report, hits, misses, last, job, result)
+
+    def variants(self, outcome: PrefillOutcome) -> list[Variant]:
+        """The new variants of `outcome` (assembled on the first call) and, once, the computed
+        system prefix into the exact prefix cache. Call before its KV is rewritten at prompt
+        positions (decoding writes only after the prompt)."""
+        if outcome.is_assembled:
+            return outcome.variants
+        job, result = outcome.job, outcome.result
+        outcome.is_assembled, outcome.job, outcome.result = True, None, None
+        if job is None or result is None or job.plan.mode == "full":
+            return outcome.variants
+        plan, rope = job.plan, self.loaded.model.rope
+        if plan.mode == "prefix":
+            misses = [i for i, cp in enumerate(plan.chunks) if cp.variant is None]
+            outcome.variants = make_variants(
+                plan, job.rows, job.kv, result, rope, self.storage_dtype, misses, measured=False
             )
-        return PrefillOutcome(result.logits[-1], report, variants, hits, misses, last)
+        else:
+            outcome.variants = make_variants(
+                plan, job.rows, job.kv, result, rope, self.storage_dtype, job.stat_chunks
+            )
+        if job.prefix_computed:
+            p = plan.layout.prefix_len
+            self.prefix_cache.put(
+                plan.layout.prefix_key, job.kv.k[:, :, :p].clone(), job.kv.v[:, :, :p].clone()
+            )
+        return outcome.variants
 
     @staticmethod
     def _chunk_report(cp: ChunkPlan, done: int, last: torch.Tensor) -> ChunkReport:
@@ -252,11 +298,12 @@ class Runner:
 
     def commit(self, outcome: PrefillOutcome) -> None:
         """Tell the store what was reused and missed, and offer the new variants."""
+        variants = self.variants(outcome)
         for variant_id, cfo in outcome.hits:
             self.store.record_hit(variant_id, cfo)
         for key in outcome.misses:
             self.store.record_miss(key)
-        for variant in outcome.variants:
+        for variant in variants:
             self.store.offer(variant)
 
     def prefill(

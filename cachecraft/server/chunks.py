@@ -49,6 +49,9 @@ class PinnedStore:
     def record_hit(self, variant_id: str, cfo: float) -> None:
         self.inner.record_hit(variant_id, cfo)
 
+    def would_admit(self, chunk_key: str) -> bool:
+        return self.inner.would_admit(chunk_key)
+
     def record_miss(self, chunk_key: str) -> None:
         self.inner.record_miss(chunk_key)
 
@@ -125,9 +128,9 @@ def precompute(
     runner, rows = engine.runner, []
     for text, label in documents:
         request = RagRequest(".", [Chunk(text, label)], system=system, namespace=namespace)
-        job = runner.start(runner.plan(request, "cachecraft", lookup=False))
+        job = runner.start(runner.plan(request, "cachecraft", lookup=False), precompute=True)
         outcome = runner.finish(job, runner.loaded.model.forward_step([job.work])[0])
-        variant = outcome.variants[-1]
+        variant = runner.variants(outcome)[-1]
         stored = store.offer(variant) or store.offer(variant)
         if pin:
             store.pin(variant)

@@ -24,6 +24,12 @@ class ChunkStore(Protocol):
         """Offer a freshly computed variant; admission decides. Returns True if it was stored."""
         ...
 
+    def would_admit(self, chunk_key: str) -> bool:
+        """Would admission let in a variant of `chunk_key` offered by a request that misses it
+        now (its miss counted)? Cheap; the prefill skips attention statistics for chunks that
+        would be turned away. Space may still refuse it later."""
+        ...
+
     def record_hit(self, variant_id: str, cfo: float) -> None:
         """A request reused this variant, recomputing a fraction `cfo` of its tokens."""
         ...

@@ -75,6 +75,9 @@ class MemoryStore:
             if variant_id in self._lru:
                 self._lru.move_to_end(variant_id)
 
+    def would_admit(self, chunk_key: str) -> bool:
+        return True  # no doorkeeper: every offer that fits is stored
+
     def record_miss(self, chunk_key: str) -> None:
         """Plain LRU keeps no miss statistics."""
 

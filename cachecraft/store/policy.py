@@ -168,6 +168,10 @@ class Doorkeeper:
     def admits(self, chunk_key: str) -> bool:
         return self.threshold <= 1 or self.count(chunk_key) >= self.threshold
 
+    def would_admit_after_miss(self, chunk_key: str) -> bool:
+        """admits() once one more miss of `chunk_key` is counted (a miss always counts)."""
+        return self.threshold <= 1 or self.count(chunk_key) + 1 >= self.threshold
+
     def __len__(self) -> int:
         return len(self._counts)
 

@@ -146,6 +146,10 @@ class TieredStore:
         if self.disk is not None and variant_id in self.disk:
             self.disk.update_stats(st)
 
+    def would_admit(self, chunk_key: str) -> bool:
+        with self._lock:
+            return self.doorkeeper.would_admit_after_miss(chunk_key)
+
     def record_miss(self, chunk_key: str) -> None:
         with self._lock:
             self._tick += 1
