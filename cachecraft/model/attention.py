@@ -37,12 +37,12 @@ def _sdpa(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
+    is_causal: bool,
     scale: float,
 ) -> torch.Tensor:
-    """4-D SDPA; mask None means plain causal (n == ctx)."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """4-D SDPA with an explicit mask, plain causal (n == ctx), or neither (every row sees
+    every key: one row at the last position)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
 
 
 def _widen(
@@ -82,18 +82,21 @@ def causal_attention(
     width = q.shape[-1]
     needs_window = window is not None and ctx > window
     mask = None
-    if needs_window or n != ctx:
+    is_causal = n == ctx and not needs_window  # q_pos == 0..ctx-1: top-left aligned is exact
+    if n == 1 and not needs_window:
+        pass  # one row at position ctx - 1 sees every key: no mask at all (decode)
+    elif not is_causal:
         mask = _mask(q_pos, ctx, window if needs_window else None)
-    if mask is not None and group * n <= ctx:
+    if not is_causal and group * n <= ctx:
         # Few rows (decode, partial prefill): fold the query heads of each KV group into rows
         # instead of copying K/V per head; head h reads KV head h // group.
         qg = q.reshape(num_kv, group * n, width)
-        out = _sdpa(qg[None], k[None], v[None], mask.repeat(group, 1), scale)
+        fold_mask = None if mask is None else mask.repeat(group, 1)
+        out = _sdpa(qg[None], k[None], v[None], fold_mask, False, scale)
         out = out[0].reshape(num_heads, n, width)
     else:
-        # q_pos == 0..ctx-1 when mask is None: plain causal (top-left aligned == exact).
         k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
-        out = _sdpa(q[None], k, v, mask, scale)[0]
+        out = _sdpa(q[None], k, v, mask, is_causal, scale)[0]
     if onehot is None:
         return out, None
     return out[..., :head_dim], out[..., head_dim:].mean(0)
