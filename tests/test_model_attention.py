@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cachecraft.model.attention import causal_attention, row_span_mass, span_onehot
+from cachecraft.model.attention import ROW_BLOCK, causal_attention, row_span_mass, span_onehot
 
 
 def _brute(q, k, v, q_pos, window):
@@ -30,6 +30,9 @@ CASES = {
     "partial-expand": (torch.cat([torch.arange(10), torch.arange(25, 40)]), None),
     "decode": (torch.tensor([39]), None),
     "window": (torch.arange(40), 16),
+    # more rows than ROW_BLOCK: blocks of rows, each over the keys up to its last row
+    "row-blocks": (torch.cat([torch.arange(0, 700, 2), torch.arange(700, 900)]), None),
+    "row-blocks-window": (torch.cat([torch.arange(0, 700, 2), torch.arange(700, 900)]), 300),
 }
 
 
@@ -42,6 +45,7 @@ def test_fused_stats_equal_explicit_and_output_equals_plain(case: str) -> None:
     k = 3 * torch.randn(num_kv, ctx, d, generator=g)
     v = torch.randn(num_kv, ctx, d, generator=g)
     bounds = torch.tensor([(0, 5), (5, 17), (17, 30), (30, ctx)])
+    assert case != "row-blocks" or len(q_pos) > ROW_BLOCK
     plain, none = causal_attention(q, k, v, q_pos, window)
     assert none is None
     out, mass = causal_attention(q, k, v, q_pos, window, span_onehot(bounds, ctx, q.dtype))

@@ -59,6 +59,12 @@ def _widen(
     return torch.cat([q, qz], -1), torch.cat([k, kz], -1), torch.cat([v, ind], -1)
 
 
+ROW_BLOCK = 128
+"""Rows per SDPA call in a masked (partial) prefill: rows are sorted, so a block of rows never
+sees keys past its last position and reads K/V only up to there (on this CPU, splitting a
+544-row partial prefill over 1,300 keys into blocks of 128 cut its attention 34 -> 22 ms)."""
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -74,32 +80,55 @@ def causal_attention(
     (fused: no score matrix of ours exists); without it mass is None.
     """
     num_heads, n, head_dim = q.shape
-    num_kv, ctx = k.shape[0], k.shape[1]
-    group = num_heads // num_kv
+    ctx = k.shape[1]
     scale = head_dim**-0.5
     if onehot is not None:
         q, k, v = _widen(q, k, v, onehot[:ctx])
-    width = q.shape[-1]
+    if n == ctx and (window is None or ctx <= window):
+        # q_pos == 0..ctx-1: SDPA's top-left aligned causal mask is exact (a full prefill).
+        k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
+        out = _sdpa(q[None], k, v, None, True, scale)[0]
+    elif n <= ROW_BLOCK:
+        out = _masked_rows(q, k, v, q_pos, window, scale)
+    else:
+        num_blocks = -(-n // ROW_BLOCK)
+        cuts = [round(i * n / num_blocks) for i in range(num_blocks + 1)]
+        parts = []
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            end = int(q_pos[b - 1]) + 1  # keys past the block's last row are all masked
+            parts.append(_masked_rows(q[:, a:b], k[:, :end], v[:, :end], q_pos[a:b], window, scale))
+        out = torch.cat(parts, 1)
+    if onehot is None:
+        return out, None
+    return out[..., :head_dim], out[..., head_dim:].mean(0)
+
+
+def _masked_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Rows q [H, n, W] at positions q_pos over keys k, v [Hkv, ctx, W] (ctx = q_pos[-1] + 1)
+    with the exact absolute mask; one row at the last position needs none (decode)."""
+    num_heads, n, width = q.shape
+    num_kv, ctx = k.shape[0], k.shape[1]
+    group = num_heads // num_kv
     needs_window = window is not None and ctx > window
     mask = None
-    is_causal = n == ctx and not needs_window  # q_pos == 0..ctx-1: top-left aligned is exact
-    if n == 1 and not needs_window:
-        pass  # one row at position ctx - 1 sees every key: no mask at all (decode)
-    elif not is_causal:
+    if n > 1 or needs_window:
         mask = _mask(q_pos, ctx, window if needs_window else None)
-    if not is_causal and group * n <= ctx:
+    if group * n <= ctx:
         # Few rows (decode, partial prefill): fold the query heads of each KV group into rows
         # instead of copying K/V per head; head h reads KV head h // group.
         qg = q.reshape(num_kv, group * n, width)
         fold_mask = None if mask is None else mask.repeat(group, 1)
         out = _sdpa(qg[None], k[None], v[None], fold_mask, False, scale)
-        out = out[0].reshape(num_heads, n, width)
-    else:
-        k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
-        out = _sdpa(q[None], k, v, mask, is_causal, scale)[0]
-    if onehot is None:
-        return out, None
-    return out[..., :head_dim], out[..., head_dim:].mean(0)
+        return out[0].reshape(num_heads, n, width)
+    k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
+    return _sdpa(q[None], k, v, mask, False, scale)[0]
 
 
 def row_span_mass(
