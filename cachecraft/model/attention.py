@@ -49,13 +49,16 @@ def _widen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, onehot: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused-statistics operands: V gets the S span-indicator columns (onehot [ctx, S]), Q
-    and K get S zero columns so all three share the width D + S (the CPU kernels want equal
-    widths) while every score q.k stays exactly what it was. Softmax rows then carry, in the
-    output's last S columns, the attention mass each row puts on each span."""
+    and K get zero columns so all three share one width (the CPU kernels want equal widths)
+    while every score q.k stays exactly what it was. Softmax rows then carry, in output columns
+    D..D+S, the attention mass each row puts on each span. The width is rounded up to a
+    multiple of 8 (more zero columns): on this CPU SDPA at width 72 costs +8% over 64, at 71
+    +26%."""
     num_spans = onehot.shape[1]
-    qz = q.new_zeros((*q.shape[:-1], num_spans))
-    kz = k.new_zeros((*k.shape[:-1], num_spans))
-    ind = onehot.to(v.dtype).expand(v.shape[0], -1, -1)
+    pad = -(-(q.shape[-1] + num_spans) // 8) * 8 - q.shape[-1]
+    qz = q.new_zeros((*q.shape[:-1], pad))
+    kz = k.new_zeros((*k.shape[:-1], pad))
+    ind = F.pad(onehot.to(v.dtype), (0, pad - num_spans)).expand(v.shape[0], -1, -1)
     return torch.cat([q, qz], -1), torch.cat([k, kz], -1), torch.cat([v, ind], -1)
 
 
@@ -100,7 +103,7 @@ def causal_attention(
         out = torch.cat(parts, 1)
     if onehot is None:
         return out, None
-    return out[..., :head_dim], out[..., head_dim:].mean(0)
+    return out[..., :head_dim], out[..., head_dim : head_dim + onehot.shape[1]].mean(0)
 
 
 def _masked_rows(
