@@ -33,6 +33,7 @@ BENCH_PARSERS = (
     ("cachecraft.bench.quality_cli", "add_bench_quality_parser"),
     ("cachecraft.bench.store_bench", "add_bench_store_parser"),
     ("cachecraft.bench.serve_cli", "add_bench_serve_parser"),
+    ("cachecraft.bench.decode_bench", "add_bench_decode_parser"),
     ("cachecraft.bench.report_cli", "add_bench_report_parser"),
 )
 

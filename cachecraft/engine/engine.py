@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,6 +37,16 @@ log = logging.getLogger(__name__)
 
 class EngineStopped(RuntimeError):
     """The engine shut down before the request finished."""
+
+
+class StepStat(NamedTuple):
+    """One engine step: its prefills (and their computed rows), decodes, and wall time from
+    the start of the forward to the last token pushed (sampling included)."""
+
+    num_prefills: int
+    num_prefill_rows: int
+    num_decodes: int
+    ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +100,7 @@ class Engine:
         self._stopping = False
         self.num_steps = 0
         self.num_aborted = 0
+        self.recent_steps: deque[StepStat] = deque(maxlen=4096)
 
     # ---- other threads ----------------------------------------------------------------------
     @property
@@ -262,6 +273,7 @@ class Engine:
         if not works:
             return
         self.num_steps += 1
+        t_step = time.perf_counter()
         try:
             results = self.runner.loaded.model.forward_step(works)
         except Exception as e:
@@ -286,6 +298,10 @@ class Engine:
             else:
                 logits = result.logits[0]
             self._emit(live, sample(logits, live.sampling, live.generator))
+        num_prefills = len(works) - len(out.decode_ids)
+        prefill_rows = sum(int(w.positions.shape[0]) for w in works[:num_prefills])
+        ms = 1000 * (time.perf_counter() - t_step)
+        self.recent_steps.append(StepStat(num_prefills, prefill_rows, len(out.decode_ids), ms))
         for outcome in outcomes:  # off the time-to-first-token path
             try:
                 self.runner.commit(outcome)
