@@ -113,6 +113,11 @@ def _bench_model(args: argparse.Namespace) -> int:
     print(f"model {result['model']}, {result['threads']} threads, median of {args.repeats}")
     print(f"max |logit diff| vs HF: {result['max_abs_logit_diff']:.2e}")
     print(f"32 greedy tokens identical to HF generate: {result['greedy_match']}")
+    r = result["miss_ttft_ratio"]
+    print(
+        f"all-miss 5-chunk RAG request, TTFT over full: cachecraft {r['cachecraft_over_full']}x, "
+        f"prefix {r['prefix_over_full']}x ({result['miss_ttft_ms']} ms)"
+    )
     for n, row in result["prefill"].items():
         print(
             f"  {n:>5} tokens: ours {row['ours_ms']:8.1f} ms, HF {row['hf_ms']:8.1f} ms, "
