@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachecraft.engine.generate import decode
-from cachecraft.engine.sampling import SamplingParams
+from cachecraft.bench.model_bench import greedy_tokens
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.kv import KVCache
 from cachecraft.model.loader import LoadedModel
@@ -35,8 +34,7 @@ def test_logits_match_hf_tiny(tiny: LoadedModel, tiny_hf) -> None:
 def _greedy_ours(m: LoadedModel, ids: torch.Tensor, n: int) -> list[int]:
     res, kv = _full(m, ids, "last")
     kv.ensure_capacity(len(ids) + n)
-    params = SamplingParams(max_tokens=n, ignore_eos=True)
-    return list(decode(m.model, kv, res.logits[-1], params))
+    return greedy_tokens(m, kv, res.logits[-1], n)
 
 
 def _greedy_hf(hf, ids: torch.Tensor, n: int) -> list[int]:

@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from cachecraft.engine.generate import decode
-from cachecraft.engine.sampling import SamplingParams
 from cachecraft.model.kv import KVCache
 from cachecraft.model.loader import LoadedModel
 from cachecraft.model.step import SeqWork
@@ -41,6 +39,17 @@ def _prompt_ids(m: LoadedModel, n: int) -> torch.Tensor:
 def _ours_prefill(m: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     kv = KVCache(m.arch, len(ids), m.model.dtype, m.model.device)
     return m.model.forward_step([SeqWork(kv, ids, torch.arange(len(ids)))])[0].logits
+
+
+def greedy_tokens(m: LoadedModel, kv: KVCache, first_logits: torch.Tensor, n: int) -> list[int]:
+    """n greedy tokens (EOS ignored) continuing the prompt in `kv`, one plain forward step
+    each: the naive reference our forward's tokens are checked with against HF."""
+    tokens = [int(first_logits.argmax())]
+    while len(tokens) < n:
+        pos = torch.tensor([kv.length])
+        step = m.model.forward_step([SeqWork(kv, torch.tensor(tokens[-1:]), pos)])[0]
+        tokens.append(int(step.logits[0].argmax()))
+    return tokens
 
 
 def _time(fn: Any, repeats: int) -> float:
@@ -153,8 +162,7 @@ def run_model_bench(
         ref_tokens = hf.generate(
             chat[None], max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None
         )[0, len(chat) :].tolist()
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
-    our_tokens = list(decode(m.model, kv, ours.logits[-1], params))
+    our_tokens = greedy_tokens(m, kv, ours.logits[-1], 32)
 
     rows = {}
     for n in lengths:

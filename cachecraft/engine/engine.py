@@ -1,9 +1,11 @@
-"""Engine: continuous batching of many requests over one Runner, on one step thread.
+"""Engine: continuous batching of many requests over one Runner, driven by one step loop.
 
 Per step: plan newly submitted requests (and prefetch their variants), let the Scheduler pick
 prefills and decodes, run ONE `forward_step` over all of them, sample, push events to each
 request's handle, commit new variants after the first tokens went out, free finished requests.
-Every tensor lives on the step thread; other threads only enqueue (submit, abort, call).
+The loop is the engine's own thread (`start`: the server) or the caller (`caller_driven`: the
+offline `LLM`, calling `step()`); either way every tensor lives on that one thread and other
+threads only enqueue (submit, abort, call).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner
 from cachecraft.engine.sampling import SamplingParams, make_generator, sample
 from cachecraft.engine.scheduler import QueueFull, Scheduler
 from cachecraft.errors import BadRequestError
+from cachecraft.model.kv import KVCache
 from cachecraft.model.step import SeqWork
 from cachecraft.request import RagRequest
 from cachecraft.reuse.plan import RecomputePlan
@@ -64,6 +67,35 @@ class EngineConfig:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
 
 
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """What a benchmark may ask of one request beyond sampling (the server asks none).
+
+    forced: token ids teacher-forced right after the prompt; forced_logits row j is then the
+    distribution for forced[j] given the prompt and forced[:j]. Decoding goes on from the
+    prompt as if they had never been there. force_answer: once the request ends, teacher-force
+    its own output the same way (the reference other modes are compared with). commit: False
+    leaves the store as it was (no hits, misses or variants recorded).
+    """
+
+    forced: tuple[int, ...] = ()
+    force_answer: bool = False
+    commit: bool = True
+
+
+@dataclass(slots=True)
+class RequestExtras:
+    """Sent with Finished to a request submitted with options: its plan (as executed), the
+    prompt positions computed (rows [n]) and the last layer of each, the prompt's next-token
+    logits [vocab] and the teacher-forced logits [m, vocab] (None unless asked)."""
+
+    plan: RecomputePlan | None = None
+    rows: torch.Tensor | None = None
+    rows_last_layer: torch.Tensor | None = None
+    first_logits: torch.Tensor | None = None
+    forced_logits: torch.Tensor | None = None
+
+
 @dataclass(slots=True)
 class _Live:
     """Engine-thread state of one request (the tensors the scheduler never sees)."""
@@ -80,13 +112,18 @@ class _Live:
     generator: torch.Generator | None = None
     stops: frozenset[int] = field(default_factory=frozenset)
     outcome: PrefillOutcome | None = None
+    options: RequestOptions | None = None
+    extras: RequestExtras | None = None
 
 
 class Engine:
     """Owns the runner and the step thread. `start()` before `submit`, `stop()` at the end."""
 
-    def __init__(self, runner: Runner, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, runner: Runner, config: EngineConfig | None = None, *, caller_driven: bool = False
+    ) -> None:
         self.runner = runner
+        self.caller_driven = caller_driven
         self.config = config or EngineConfig()
         c = self.config
         self.scheduler = Scheduler(c.token_budget, c.max_running, c.max_queue)
@@ -118,6 +155,7 @@ class Engine:
         mode: str | None = None,
         budgets: list[int | None] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        options: RequestOptions | None = None,
     ) -> RequestHandle:
         """Queue a request. Raises QueueFull (backpressure) or BadRequestError (unknown mode);
         planning errors (context length, ...) arrive as a Failed event."""
@@ -125,13 +163,14 @@ class Engine:
         if mode not in MODES:
             raise BadRequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         with self._wake:
-            if self._stopping or self._thread is None:
+            if not self._is_running():
                 raise EngineStopped("the engine is not running")
             if self.num_waiting >= self.config.max_queue:
                 raise QueueFull(f"{self.num_waiting} requests are waiting (max_queue)")
             handle = RequestHandle(f"req-{next(self._ids)}", self.abort, loop)
             sampling = sampling or SamplingParams()
             live = _Live(handle, request, sampling, mode, budgets, time.perf_counter())
+            live.options = options
             self._inbox.append(live)
             self._wake.notify()
         return handle
@@ -147,13 +186,30 @@ class Engine:
         """Run `fn()` on the step thread between steps (it may use the model and the store)."""
         future: Future = Future()
         with self._wake:
-            if self._stopping or self._thread is None:
+            if not self._is_running():
                 raise EngineStopped("the engine is not running")
             self._calls.append((fn, future))
             self._wake.notify()
         return future
 
+    def _is_running(self) -> bool:
+        return not self._stopping and (self._thread is not None or self.caller_driven)
+
+    def has_work(self) -> bool:
+        """Anything submitted, queued or running that a step would advance."""
+        with self._wake:
+            return bool(self._inbox or self._aborts or self._calls or self.scheduler.has_work())
+
+    def step(self) -> None:
+        """Caller-driven engines: take what was submitted since the last call and run one step
+        (the thread of a started engine does the same in its loop)."""
+        if not self.caller_driven:
+            raise RuntimeError("step() drives a caller_driven engine; this one has a thread")
+        self._advance(*self._take())
+
     def start(self) -> Engine:
+        if self.caller_driven:
+            raise RuntimeError("a caller_driven engine is stepped by its caller, not started")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cachecraft-engine", daemon=True)
             self._thread.start()
@@ -180,29 +236,43 @@ class Engine:
                     self._wake.wait()
                 if self._stopping:
                     break
-                inbox, self._inbox = list(self._inbox), deque()
-                aborts, self._aborts = self._aborts, {}
-                calls, self._calls = list(self._calls), deque()
-            for fn, future in calls:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except BaseException as e:  # the caller gets it; the loop goes on
-                        future.set_exception(e)
-            for request_id, reason in aborts.items():
-                self._drop(request_id, reason)
-            for live in inbox:
-                reason = aborts.get(live.handle.request_id)
-                if reason is not None:
-                    self.num_aborted += reason == "abort"
-                    live.handle.push(Finished(reason, [], None))
-                else:
-                    self._admit(live)
-            try:
-                self._step()
-            except Exception:  # never let one bad step end the loop
-                log.exception("engine step failed")
+            self._advance(*self._take())
         self._shutdown()
+
+    def _take(self) -> tuple[list[_Live], dict[str, str], list[tuple[Callable[[], Any], Future]]]:
+        """What other threads queued since the last step (under the lock)."""
+        with self._wake:
+            inbox, self._inbox = list(self._inbox), deque()
+            aborts, self._aborts = self._aborts, {}
+            calls, self._calls = list(self._calls), deque()
+        return inbox, aborts, calls
+
+    def _advance(
+        self,
+        inbox: list[_Live],
+        aborts: dict[str, str],
+        calls: list[tuple[Callable[[], Any], Future]],
+    ) -> None:
+        """Run the queued calls, apply aborts, admit new requests, then one step."""
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # the caller gets it; the loop goes on
+                    future.set_exception(e)
+        for request_id, reason in aborts.items():
+            self._drop(request_id, reason)
+        for live in inbox:
+            reason = aborts.get(live.handle.request_id)
+            if reason is not None:
+                self.num_aborted += reason == "abort"
+                live.handle.push(Finished(reason, [], None))
+            else:
+                self._admit(live)
+        try:
+            self._step()
+        except Exception:  # never let one bad step end the loop
+            log.exception("engine step failed")
 
     def _shutdown(self) -> None:
         with self._wake:
@@ -257,7 +327,8 @@ class Engine:
                 # Plan again now: variants stored while this request waited (by requests
                 # admitted before it) become hits. Metadata only, so cheap.
                 live.plan = self.runner.plan(live.request, live.mode, live.budgets)
-                live.job = self.runner.start(live.plan, live.state.max_tokens, live.t_submit)
+                extra = live.state.max_tokens + len(live.options.forced if live.options else ())
+                live.job = self.runner.start(live.plan, extra, live.t_submit)
             except Exception as e:
                 self._fail(rid, e)
                 continue
@@ -292,12 +363,15 @@ class Engine:
                     self._fail(rid, e)
                     continue
                 live.outcome = outcome
-                outcomes.append(outcome)
+                if live.options is None or live.options.commit:
+                    outcomes.append(outcome)
                 self.scheduler.prefilled(rid)
                 logits = outcome.first_logits
             else:
                 logits = result.logits[0]
             self._emit(live, sample(logits, live.sampling, live.generator))
+            if is_prefill and live.options is not None and rid in self._live:
+                self._extras(live)  # after the first token: off the TTFT path
         num_prefills = len(works) - len(out.decode_ids)
         prefill_rows = sum(int(w.positions.shape[0]) for w in works[:num_prefills])
         ms = 1000 * (time.perf_counter() - t_step)
@@ -323,7 +397,8 @@ class Engine:
             self.scheduler.finish(state.request_id, reason)
             self._live.pop(state.request_id, None)
             report = live.outcome.report if live.outcome is not None else None
-            live.handle.push(Finished(reason, list(state.output_ids), report))
+            extras = self._extras(live, at_end=True)
+            live.handle.push(Finished(reason, list(state.output_ids), report, extras))
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         live = self._drop(request_id, None)
@@ -340,8 +415,36 @@ class Engine:
             self.num_aborted += reason == "abort"
             out = list(live.state.output_ids) if live.state else []
             report = live.outcome.report if live.outcome is not None else None
-            live.handle.push(Finished(reason, out, report))
+            extras = self._extras(live, at_end=True)
+            live.handle.push(Finished(reason, out, report, extras))
         return live
+
+    def _extras(self, live: _Live, at_end: bool = False) -> RequestExtras | None:
+        """Fill what `live.options` asked for: teacher forcing of `forced` once the prompt is
+        in (before any decode step writes after it), of the output itself at the end."""
+        opts, job, outcome = live.options, live.job, live.outcome
+        if opts is None or job is None or outcome is None or live.state is None:
+            return None
+        if live.extras is None:
+            live.extras = RequestExtras(
+                job.plan, job.rows, outcome.rows_last_layer, outcome.first_logits
+            )
+            if opts.forced:
+                live.extras.forced_logits = self._force(job.kv, outcome, list(opts.forced))
+        if at_end and opts.force_answer and live.state.output_ids:
+            live.extras.forced_logits = self._force(job.kv, outcome, list(live.state.output_ids))
+        return live.extras
+
+    def _force(self, kv: KVCache, outcome: PrefillOutcome, forced: list[int]) -> torch.Tensor:
+        """Logits [m, vocab] for each of `forced` given the n-token prompt in `kv` and the
+        forced tokens before it; leaves kv.length at n (decoding rewrites those positions)."""
+        n = outcome.report.prompt_tokens
+        kv.length = n
+        pos = torch.arange(n, n + len(forced), device=kv.k.device)
+        work = SeqWork(kv, torch.tensor(forced, device=kv.k.device), pos, logits_for="all")
+        logits = self.runner.loaded.model.forward_step([work])[0].logits
+        kv.length = n
+        return torch.cat([outcome.first_logits[None], logits[:-1]])
 
 
 def _num_rows(runner: Runner, plan: RecomputePlan) -> int:
