@@ -24,7 +24,7 @@ ServerFactory = Callable[[str], AbstractContextManager[str]]
 """`start_server(mode)` -> a context manager yielding the base URL of a fresh server."""
 
 DEFAULT_MODES = ("prefix", "cachecraft")
-DEFAULT_RATES = (0.1, 0.2, 0.4)
+DEFAULT_RATES = (0.15, 0.3)
 DEFAULT_MAX_RUNS = 4
 """Runs per system: the ladder, then doubling, until saturation or this many."""
 PEERS = ("vllm",)

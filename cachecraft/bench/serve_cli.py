@@ -45,7 +45,7 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.A
         default=DEFAULT_MAX_RUNS,
         help="rates per system at most (the ramp stops earlier once a system saturates)",
     )
-    parser.add_argument("--requests", type=int, default=12, help="requests per rate and mode")
+    parser.add_argument("--requests", type=int, default=16, help="requests per rate and mode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=8, help="answer tokens (short)")
     parser.add_argument(
@@ -57,7 +57,7 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     )
     parser.add_argument("--zipf", type=float, default=1.0, help="wiki-qa question popularity")
     parser.add_argument(
-        "--questions", type=int, default=40, help="wiki-qa: distinct questions in the pool"
+        "--questions", type=int, default=24, help="wiki-qa: distinct questions in the pool"
     )
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="our modes, comma list")
     parser.add_argument("--peer-python", default=None, help="python of the peer venv")
