@@ -72,3 +72,22 @@ def test_requests_given_together_are_batched_and_equal_alone(tiny_dir: Path) -> 
     # one prefill step for all three, then one batched decode step per token
     assert llm.engine.num_steps - steps_before == STEPS
     assert max(s.num_decodes for s in llm.engine.recent_steps) == 3
+
+
+def test_a_bad_request_in_a_batch_leaves_the_engine_empty(tiny_dir: Path) -> None:
+    from cachecraft.errors import BadRequestError
+
+    llm = LLM(str(tiny_dir))
+    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+    with pytest.raises(BadRequestError, match="unknown mode"):
+        llm.generate([_req([0]), _req([1])], greedy, mode="nope")
+    assert not llm.engine.has_work()
+    assert len(llm.generate([_req([0]), _req([1])], greedy, "full")) == 2
+
+
+def test_a_request_failing_in_the_engine_raises_after_the_others_finished(tiny_dir: Path) -> None:
+    llm = LLM(str(tiny_dir))
+    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+    with pytest.raises(ValueError, match="budgets"):  # planning fails inside the engine
+        llm.generate([_req([0]), _req([1])], greedy, "epic", budgets=[None, [1, 2, 3]])
+    assert not llm.engine.has_work() and llm.engine.num_running == 0

@@ -60,7 +60,24 @@ def run_requests(engine: Engine, submissions: Sequence[Submission]) -> list[Comp
         raise ValueError("run_requests drives a caller_driven Engine")
     tokenizer = engine.runner.loaded.tokenizer
     tracked: list[_Tracked] = []
-    pending = list(submissions)
+    try:
+        _loop(engine, list(submissions), tracked, tokenizer)
+    except BaseException:
+        # a bad submission (or an interrupt): leave the engine empty for the next call
+        for t in tracked:
+            t.handle.abort()
+        while engine.has_work():
+            engine.step()
+        raise
+    for t in tracked:
+        if t.error is not None:
+            raise t.error
+    return [t.done for t in tracked if t.done is not None]
+
+
+def _loop(
+    engine: Engine, pending: list[Submission], tracked: list[_Tracked], tokenizer: Any
+) -> None:
     while pending or any(t.done is None and t.error is None for t in tracked):
         while pending:
             sub = pending[0]
@@ -76,10 +93,6 @@ def run_requests(engine: Engine, submissions: Sequence[Submission]) -> list[Comp
         engine.step()
         for t in tracked:
             _drain(t, tokenizer)
-    for t in tracked:
-        if t.error is not None:
-            raise t.error
-    return [t.done for t in tracked if t.done is not None]
 
 
 def _drain(t: _Tracked, tokenizer: Any) -> None:
