@@ -57,7 +57,10 @@ def ours_step_ms(
     try:
         for b in batches:
             first = len(engine.recent_steps)
-            sampling = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+            # long enough that the first request still decodes when the last one's prefill
+            # is done (prefills share the token budget), then `steps` steps with all B
+            admit_steps = -(-b * (context + 64) // config.token_budget) + 1
+            sampling = SamplingParams(max_tokens=steps + 1 + admit_steps, ignore_eos=True)
             handles = []
             for i in range(b):
                 text = m.tokenizer.decode(_prompt_ids(m, context, 1000 * b + i))
