@@ -80,6 +80,15 @@ def test_ramp_stops_at_the_first_saturated_rate_and_doubles_past_the_ladder() ->
     seen.clear()
     ramp_rates(run_at(0.1), [0.5, 1.0], max_runs=5, latency_bound=3.0)
     assert seen == [0.5]  # saturated from the first run: it cannot keep up with the offer
+    seen.clear()
+
+    def slow_but_keeping_up(rate: float) -> dict:
+        seen.append(rate)
+        return _summary(100.0 * 4 * rate) | {"throughput_rps": rate, "offered_rps": rate}
+
+    out = ramp_rates(slow_but_keeping_up, [0.25, 1.0], max_runs=3, latency_bound=3.0)
+    assert seen == [0.25, 1.0, 2.0]  # past the latency bound at 1.0 but not yet saturated
+    assert out["1"]["e2e_ms_p50"] > 3.0 * out["0.25"]["e2e_ms_p50"]
 
 
 def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:

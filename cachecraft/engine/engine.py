@@ -19,18 +19,18 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from cachecraft.config import MODES
 from cachecraft.engine.handle import Failed, Finished, Planned, RequestHandle, Token
+from cachecraft.engine.options import RequestExtras, RequestOptions, StepStat, force_tokens
 from cachecraft.engine.request import SeqState
 from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner
 from cachecraft.engine.sampling import SamplingParams, make_generator, sample
 from cachecraft.engine.scheduler import QueueFull, Scheduler
 from cachecraft.errors import BadRequestError
-from cachecraft.model.kv import KVCache
 from cachecraft.model.step import SeqWork
 from cachecraft.request import RagRequest
 from cachecraft.reuse.plan import RecomputePlan
@@ -40,16 +40,6 @@ log = logging.getLogger(__name__)
 
 class EngineStopped(RuntimeError):
     """The engine shut down before the request finished."""
-
-
-class StepStat(NamedTuple):
-    """One engine step: its prefills (and their computed rows), decodes, and wall time from
-    the start of the forward to the last token pushed (sampling included)."""
-
-    num_prefills: int
-    num_prefill_rows: int
-    num_decodes: int
-    ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,35 +55,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOptions:
-    """What a benchmark may ask of one request beyond sampling (the server asks none).
-
-    forced: token ids teacher-forced right after the prompt; forced_logits row j is then the
-    distribution for forced[j] given the prompt and forced[:j]. Decoding goes on from the
-    prompt as if they had never been there. force_answer: once the request ends, teacher-force
-    its own output the same way (the reference other modes are compared with). commit: False
-    leaves the store as it was (no hits, misses or variants recorded).
-    """
-
-    forced: tuple[int, ...] = ()
-    force_answer: bool = False
-    commit: bool = True
-
-
-@dataclass(slots=True)
-class RequestExtras:
-    """Sent with Finished to a request submitted with options: its plan (as executed), the
-    prompt positions computed (rows [n]) and the last layer of each, the prompt's next-token
-    logits [vocab] and the teacher-forced logits [m, vocab] (None unless asked)."""
-
-    plan: RecomputePlan | None = None
-    rows: torch.Tensor | None = None
-    rows_last_layer: torch.Tensor | None = None
-    first_logits: torch.Tensor | None = None
-    forced_logits: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -430,21 +391,14 @@ class Engine:
                 job.plan, job.rows, outcome.rows_last_layer, outcome.first_logits
             )
             if opts.forced:
-                live.extras.forced_logits = self._force(job.kv, outcome, list(opts.forced))
+                live.extras.forced_logits = force_tokens(
+                    self.runner.loaded.model, job.kv, outcome, list(opts.forced)
+                )
         if at_end and opts.force_answer and live.state.output_ids:
-            live.extras.forced_logits = self._force(job.kv, outcome, list(live.state.output_ids))
+            live.extras.forced_logits = force_tokens(
+                self.runner.loaded.model, job.kv, outcome, list(live.state.output_ids)
+            )
         return live.extras
-
-    def _force(self, kv: KVCache, outcome: PrefillOutcome, forced: list[int]) -> torch.Tensor:
-        """Logits [m, vocab] for each of `forced` given the n-token prompt in `kv` and the
-        forced tokens before it; leaves kv.length at n (decoding rewrites those positions)."""
-        n = outcome.report.prompt_tokens
-        kv.length = n
-        pos = torch.arange(n, n + len(forced), device=kv.k.device)
-        work = SeqWork(kv, torch.tensor(forced, device=kv.k.device), pos, logits_for="all")
-        logits = self.runner.loaded.model.forward_step([work])[0].logits
-        kv.length = n
-        return torch.cat([outcome.first_logits[None], logits[:-1]])
 
 
 def _num_rows(runner: Runner, plan: RecomputePlan) -> int:
@@ -456,3 +410,6 @@ def _num_rows(runner: Runner, plan: RecomputePlan) -> int:
         full = cp.variant is None or cp.deviation_budget is not None
         rows += cp.slot.num_tokens if full else len(cp.recompute)
     return rows + len(layout.question_ids)
+
+
+__all__ = ["Engine", "EngineConfig", "EngineStopped", "RequestExtras", "RequestOptions", "StepStat"]
