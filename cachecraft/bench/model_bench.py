@@ -118,7 +118,8 @@ def _miss_request(m: LoadedModel, seed: int, chunk_tokens: int) -> RagRequest:
 def miss_ttft(m: LoadedModel, repeats: int = 5, chunk_tokens: int = 200) -> dict[str, Any]:
     """Median TTFT (plan, KV assembly, prefill, first token; commit excluded as the engine does
     it after the token went out) per mode, each run on a fresh runner and store (nothing cached:
-    not the chunks, not the system prefix), modes interleaved request by request."""
+    not the chunks, not the system prefix), modes interleaved request by request in a rotating
+    order (no mode always runs first after a new request's text)."""
     from cachecraft.engine.runner import Runner
     from cachecraft.store.memory import MemoryStore
 
@@ -133,7 +134,8 @@ def miss_ttft(m: LoadedModel, repeats: int = 5, chunk_tokens: int = 200) -> dict
     times: dict[str, list[float]] = {mode: [] for mode in MISS_MODES}
     for r in range(repeats):
         request = _miss_request(m, r, chunk_tokens)
-        for mode in MISS_MODES:
+        for i in range(len(MISS_MODES)):
+            mode = MISS_MODES[(r + i) % len(MISS_MODES)]
             times[mode].append(once(request, mode))
     ms = {mode: round(1000 * statistics.median(t), 1) for mode, t in times.items()}
     return {
