@@ -8,8 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Mode = Literal["full", "prefix", "naive", "cacheblend", "epic", "random", "cachecraft"]
-MODES: tuple[str, ...] = ("full", "prefix", "naive", "cacheblend", "epic", "random", "cachecraft")
+Mode = Literal[
+    "full", "prefix", "naive", "cacheblend", "epic", "random", "prophet", "cachecraft-paper",
+    "cachecraft",
+]  # fmt: skip
+MODES: tuple[str, ...] = (
+    "full", "prefix", "naive", "cacheblend", "epic", "random", "prophet", "cachecraft-paper",
+    "cachecraft",
+)  # fmt: skip
+"""`cachecraft` (default): CFO budgets spent by need on the tokens the question reads (a probe
+pass); `cachecraft-paper`: the paper's rules (lowest CFO, stored-score tokens, early exit);
+`prophet`: question attention alone, one global budget (ProphetKV-style baseline)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +43,38 @@ class ReuseConfig:
     holds any chunk, so the fix is alpha * CCI."""
     novel_prefix_min_fix: float = 0.0
     """Minimum fix fraction for a chunk whose new prefix holds chunks absent from its S_old."""
+    beta_rule: Literal["honest", "paper"] = "honest"
+    """'honest': beta also counts the attention the chunk would put on chunks now in front of
+    it that were not in S_old (estimated from its attention per old-context token), and the
+    variant with the lowest predicted error is used; 'paper': only S_old's mass (cachecraft-paper
+    always uses it)."""
+    prefix_mismatch_penalty: float = 0.5
+    """beta' is scaled by (1 - this) when a variant was made under another system prefix."""
+    refresh_error: float | None = None
+    """Predicted error above which a reused chunk is computed in full instead and offered as a
+    new variant (None: never)."""
     use_order_penalty: bool = True
     early_termination: bool = True
     et_layer: int | None = None
-    """Layer after which unfocused chunks stop being recomputed; None = num_layers // 3."""
+    """cachecraft-paper: layer after which unfocused chunks stop being recomputed; None =
+    num_layers // 3. (cachecraft folds early termination into its probe's budget split.)"""
     focus_threshold: float = 0.05
     """A chunk is unfocused when its share of the question's attention to chunks is below this."""
+    probe_split: Literal["need", "global", "chunk"] = "need"
+    """cachecraft: how the probe spends the request's CFO budget: 'need' (top tokens of all
+    reused chunks by predicted error x question attention; chunks below focus_threshold get
+    none), 'global' (question attention alone) or 'chunk' (each chunk its own CFO budget)."""
+    probe_first_layer: int = 0
+    probe_last_layer: int | None = None
+    """Layers whose question attention the probe averages (None: the top layer). The probe
+    runs up to probe_last_layer only."""
+    probe_blend: float = 0.0
+    """Weight of the stored score added to the question attention (both scaled per chunk)."""
+    prophet_ratio: float = 0.2
+    """prophet: share of the reused chunks' tokens recomputed (when no budget is given)."""
     cacheblend_ratio: float = 0.15
+    cacheblend_global: bool = False
+    """cacheblend: pick the top deviating tokens across all reused chunks, not per chunk."""
     cacheblend_check_layer: int = 1
     epic_k: int = 32
     seed: int = 0

@@ -76,6 +76,22 @@ def test_synthetic_shape_lengths_determinism():
     assert _signature(synthetic(30, num_chunks=40, k=4, seed=1)) != _signature(items)
 
 
+def test_synthetic_permute_repeats_chunk_sets_in_new_orders():
+    items = synthetic(20, k=4, chunk_tokens=(64, 128), seed=0, permute=True)
+    assert len(items) == 20
+    sets: dict[frozenset[str], list[tuple[str, ...]]] = {}
+    for it in items:
+        ids = tuple(c.id for c in it.request.chunks)
+        assert len(set(ids)) == 4
+        sets.setdefault(frozenset(ids), []).append(ids)
+    assert len(sets) == 5  # ceil(20 / 4) disjoint sets, each used 4 times
+    assert all(len(uses) == 4 for uses in sets.values())
+    assert len(set().union(*sets)) == 20  # disjoint
+    assert all(len(set(uses)) > 1 for uses in sets.values())  # orders change
+    again = synthetic(20, k=4, chunk_tokens=(64, 128), seed=0, permute=True)
+    assert _signature(again) == _signature(items)
+
+
 def test_synthetic_skew_top5_percent_in_60_percent_of_requests():
     items = synthetic(2000, num_chunks=300, k=5, chunk_tokens=(128, 256), seed=0)
     share = chunk_popularity(items, top_fraction=0.05)

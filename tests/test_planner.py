@@ -1,4 +1,5 @@
 """Planner scenarios on a small hand-made layout, one per mode, plus the chunk and prefix keys.
+Plans are pure data: nothing here imports torch.
 
 Layout used throughout: prefix (3 tokens) | A (4) | B (5) | C (3) | question (2) = 17 positions.
 """
@@ -13,7 +14,14 @@ import pytest
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.reuse.keys import chunk_key, prefix_key
 from cachecraft.reuse.plan import ChunkSlot, PromptLayout, RecomputePlan
-from cachecraft.reuse.planner import cachecraft_budgets, choose_variant, plan_request
+from cachecraft.reuse.planner import (
+    as_miss,
+    choose_variant,
+    matched_budgets,
+    plan_request,
+    resolve_probe,
+    without_prefix_hit,
+)
 from cachecraft.store.meta import VariantMeta
 
 SIZES = {"A": 4, "B": 5, "C": 3, "D": 10, "X": 6}
@@ -36,6 +44,7 @@ def variant(
     cci: float = 0.8,
     prefix: str = "P",
     scores: tuple[float, ...] | None = None,
+    exact: bool = True,
 ) -> VariantMeta:
     """A one-layer variant; inter[j] is the mass on s_old[j]."""
     inter = inter or tuple(1.0 for _ in s_old)
@@ -50,6 +59,7 @@ def variant(
         intra=(1.0,),
         token_scores=scores if scores is not None else tuple(0.0 for _ in range(SIZES[key])),
         cci=cci if s_old else 0.5,
+        is_exact=exact,
     )
 
 
@@ -59,11 +69,15 @@ def variant(
 V_A = variant("A", ())
 V_B = variant("B", ("X", "A"), (3.0, 1.0), scores=B_SCORES)
 VARIANTS = {"A": [V_A], "B": [V_B]}
-CONFIG = ReuseConfig(alpha=0.5)
+CONFIG = ReuseConfig(alpha=0.5, beta_rule="paper")
+HONEST = ReuseConfig(alpha=0.5)
 
 
-def plan(mode: str, variants=VARIANTS, config=CONFIG, budgets=None, lay=None) -> RecomputePlan:
-    return plan_request(lay or layout("A", "B", "C"), variants, mode, config, 30, budgets)
+def plan(
+    mode: str, variants=VARIANTS, config=CONFIG, budgets=None, lay=None, prefix_hit=True
+) -> RecomputePlan:
+    lay = lay or layout("A", "B", "C")
+    return plan_request(lay, variants, mode, config, 30, budgets, prefix_hit)
 
 
 def counts(p: RecomputePlan) -> list[int]:
@@ -90,16 +104,27 @@ def test_budgets_of_wrong_length_raise() -> None:
 
 def test_full_mode_reuses_nothing() -> None:
     p = plan("full")
-    assert p.prefix_cached == 0
+    assert not p.prefix_hit and not p.make_variants
     assert all(c.variant is None for c in p.chunks)
     assert [c.recompute for c in p.chunks] == [(0, 1, 2, 3), (0, 1, 2, 3, 4), (0, 1, 2)]
-    assert p.num_planned_compute == 17 == p.layout.num_tokens
-    assert p.et_layer is None and p.cacheblend_check_layer is None
+    assert p.num_rows == 17 == p.layout.num_tokens
+    assert p.rows() == tuple(range(17))
+    assert p.early_exit is None and p.deviation is None and p.probe is None
 
 
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "full"])
 def test_every_reuse_mode_serves_the_system_prefix_from_cache(mode: str) -> None:
-    assert plan(mode).prefix_cached >= 3
+    assert plan(mode).prefix_hit
+    assert 0 not in resolved(plan(mode)).rows()
+    assert plan(mode, prefix_hit=False).num_rows == plan(mode).num_rows + 3
+
+
+def resolved(p: RecomputePlan) -> RecomputePlan:
+    """A probe plan resolved with attention rising along each chunk (last tokens read most)."""
+    att = [
+        None if c.variant is None else [t + 1.0 for t in range(c.slot.num_tokens)] for c in p.chunks
+    ]
+    return resolve_probe(p, att)
 
 
 def test_prefix_mode_reuses_exact_leading_chunks() -> None:
@@ -109,8 +134,9 @@ def test_prefix_mode_reuses_exact_leading_chunks() -> None:
     assert a.variant is V_A and b.variant is not None and c.variant is None
     assert a.recompute == () and b.recompute == () and c.recompute == (0, 1, 2)
     assert (b.beta, b.gamma, b.beta_adj, b.cfo, b.cci) == (1.0, 0.0, 1.0, 0.0, 0.8)
-    assert p.prefix_cached == 3 + 4 + 5
-    assert p.num_planned_compute == 2 + 3
+    assert [c.is_exact for c in p.chunks] == [True, True, True]
+    assert p.num_rows == 3 + 2
+    assert p.rows() == (12, 13, 14, 15, 16)
 
 
 def test_prefix_mode_stops_at_first_mismatch() -> None:
@@ -118,16 +144,14 @@ def test_prefix_mode_stops_at_first_mismatch() -> None:
     variants = {"A": [V_A], "B": [V_B], "C": [variant("C", ("A", "B"))]}
     p = plan("prefix", variants)
     assert [c.is_hit for c in p.chunks] == [True, False, False]
-    assert p.prefix_cached == 7
-    assert p.num_planned_compute == 5 + 3 + 2
+    assert p.num_rows == 5 + 3 + 2
 
 
 def test_prefix_mode_requires_the_same_prefix_key() -> None:
     variants = {"A": [variant("A", (), prefix="Q")]}
     p = plan("prefix", variants)
     assert not any(c.is_hit for c in p.chunks)
-    assert p.prefix_cached == 3
-    assert p.num_planned_compute == 14
+    assert p.num_rows == 14
 
 
 def test_naive_recomputes_nothing_in_hits() -> None:
@@ -135,72 +159,76 @@ def test_naive_recomputes_nothing_in_hits() -> None:
     assert [c.recompute for c in p.chunks] == [(), (), (0, 1, 2)]
     b = p.chunks[1]
     assert b.beta == pytest.approx(0.25) and b.gamma == 0.0 and b.cfo == pytest.approx(0.3)
-    assert p.num_planned_compute == 2 + 3
-    assert p.et_layer is None
+    assert p.num_rows == 2 + 3
+    assert p.early_exit is None
 
 
-def test_cachecraft_recomputes_ceil_cfo_n_top_scored_tokens() -> None:
-    p = plan("cachecraft")
+def test_cachecraft_paper_recomputes_ceil_cfo_n_top_scored_tokens() -> None:
+    p = plan("cachecraft-paper")
     a, b, c = p.chunks
     assert a.cfo == 0.0 and a.recompute == ()
     assert b.cfo == pytest.approx(0.3)
     assert b.recompute == (1, 3)  # ceil(0.3 * 5) = 2 highest of B_SCORES
     assert c.variant is None and c.recompute == (0, 1, 2)
-    assert p.num_planned_compute == 2 + 0 + 2 + 3
-    assert all(c.last_layer is None for c in p.chunks)
-    assert (p.et_layer, p.focus_threshold) == (10, 0.05)
+    assert p.num_rows == 2 + 0 + 2 + 3
+    assert p.rows() == (8, 10, 12, 13, 14, 15, 16)
+    assert p.early_exit is not None and (p.early_exit.layer, p.early_exit.threshold) == (10, 0.05)
+    assert p.probe is None
 
 
-def test_cachecraft_early_termination_settings() -> None:
-    assert plan("cachecraft", config=ReuseConfig(et_layer=5)).et_layer == 5
-    off = plan("cachecraft", config=ReuseConfig(early_termination=False))
-    assert off.et_layer is None and off.focus_threshold is None
+def test_cachecraft_paper_early_termination_settings() -> None:
+    assert plan("cachecraft-paper", config=ReuseConfig(et_layer=5)).early_exit.layer == 5
+    off = plan("cachecraft-paper", config=ReuseConfig(early_termination=False))
+    assert off.early_exit is None
 
 
 def test_cachecraft_float_noise_does_not_add_a_token() -> None:
     # alpha * CCI * (1 - beta') = 0.6 * 0.5 * 1 = 0.3, and 0.3 * 10 is 3.0000000000000004 in floats
     lay = layout("A", "D")
-    p = plan_request(lay, {"D": [variant("D", ())]}, "cachecraft", ReuseConfig(alpha=0.6), 30)
+    p = plan_request(lay, {"D": [variant("D", ())]}, "cachecraft-paper", ReuseConfig(alpha=0.6), 30)
     assert p.chunks[1].num_recompute == 3
 
 
 def test_novel_prefix_floor_applies_only_to_novel_prefixes() -> None:
     # B's new prefix (A) is inside its S_old (X, A); C's new prefix (A, B) holds B, absent from (A,).
     variants = {**VARIANTS, "C": [variant("C", ("A",))]}
-    p = plan("cachecraft", variants, config=ReuseConfig(novel_prefix_min_fix=0.6))
+    p = plan("cachecraft-paper", variants, config=ReuseConfig(novel_prefix_min_fix=0.6))
     assert p.chunks[1].cfo == pytest.approx(0.3)
     assert p.chunks[2].cfo == 0.6 and p.chunks[2].num_recompute == 2  # ceil(0.6 * 3)
 
 
 def test_huge_alpha_recomputes_every_token() -> None:
     # B first (beta 0: its S_old is gone), A after B (S_old empty, 'safe' rule: beta 0).
-    p = plan("cachecraft", config=ReuseConfig(alpha=1e9), lay=layout("B", "A"))
-    assert [c.cfo for c in p.chunks] == [1.0, 1.0]
-    assert [c.recompute for c in p.chunks] == [(0, 1, 2, 3, 4), (0, 1, 2, 3)]
-    assert p.num_planned_compute == p.layout.num_tokens - 3
+    for mode in ("cachecraft-paper", "cachecraft"):
+        p = resolved(plan(mode, config=ReuseConfig(alpha=1e9), lay=layout("B", "A")))
+        assert [c.cfo for c in p.chunks] == [1.0, 1.0]
+        assert [c.recompute for c in p.chunks] == [(0, 1, 2, 3, 4), (0, 1, 2, 3)]
+        assert p.num_rows == p.layout.num_tokens - 3
 
 
 def test_variant_choice_picks_lowest_cfo() -> None:
     exact = variant("B", ("A",), cci=0.9, prefix="Q")  # beta 1 -> CFO 0
-    p = plan("cachecraft", {"A": [V_A], "B": [V_B, exact]})
+    p = plan("cachecraft-paper", {"A": [V_A], "B": [V_B, exact]})
     assert p.chunks[1].variant is exact
     assert p.chunks[1].recompute == ()
 
 
 def test_variant_choice_ties_prefer_larger_beta_adj_then_first() -> None:
-    config = ReuseConfig(min_fix=0.9)  # every CFO clamps to 0.9
+    config = ReuseConfig(min_fix=0.9, beta_rule="paper")  # every CFO clamps to 0.9
     low = variant("B", ("X",))  # beta 0
     high = variant("B", ("A",))  # beta 1
     assert choose_variant([low, high], ("A",), config).variant is high
     twin = variant("B", ("X",), cci=0.7)
     assert choose_variant([low, twin], ("A",), config).variant is low
     assert choose_variant([], ("A",), config) is None
+    # honest: the CFO tie does not matter, the lower predicted error (CCI 0.7 x 1) wins
+    assert choose_variant([low, twin], ("A",), HONEST, s_new_sizes=(4,)).variant is twin
 
 
 def test_repeated_chunk_is_planned_per_occurrence() -> None:
     scores = (0.1, 0.9, 0.2, 0.3)
     variants = {"A": [variant("A", (), scores=scores)]}
-    p = plan("cachecraft", variants, lay=layout("A", "B", "A"))
+    p = plan("cachecraft-paper", variants, lay=layout("A", "B", "A"))
     first, _, second = p.chunks
     assert first.cfo == 0.0 and first.recompute == ()
     # S_new = (A, B), S_old empty, 'safe' -> beta 0 -> CFO = 0.5 * 0.5 = 0.25 -> 1 token
@@ -208,12 +236,20 @@ def test_repeated_chunk_is_planned_per_occurrence() -> None:
 
 
 def test_matched_budgets_for_baselines() -> None:
-    budgets = cachecraft_budgets(plan("cachecraft"))
+    budgets = matched_budgets(plan("cachecraft-paper"))
     assert budgets == [0, 2, None]
     for mode in ("random", "epic", "cacheblend"):
         p = plan(mode, budgets=budgets)
         assert counts(p) == [0, 2, 3], mode
-        assert p.num_planned_compute == plan("cachecraft").num_planned_compute
+    assert plan("epic", budgets=budgets).num_rows == plan("cachecraft-paper").num_rows
+    p = resolved(plan("prophet", budgets=budgets))
+    assert sum(c.num_recompute for c in p.chunks if c.is_hit) == 2
+
+
+def test_matched_budgets_spread_extra_tokens_over_reused_chunks() -> None:
+    # A (4 tokens, 0 planned) and B (5, 2 planned): 3 extra go 4:5 by size, within room.
+    assert matched_budgets(plan("cachecraft-paper"), extra=3) == [1, 4, None]
+    assert matched_budgets(plan("cachecraft-paper"), extra=99) == [4, 5, None]
 
 
 def test_random_defaults_to_cachecraft_count_and_is_deterministic() -> None:
@@ -241,18 +277,22 @@ def test_epic_recomputes_the_first_tokens() -> None:
 def test_cacheblend_leaves_selection_to_the_runner() -> None:
     p = plan("cacheblend")
     a, b, c = p.chunks
-    assert a.recompute == () and a.deviation_budget == 1  # ceil(0.15 * 4)
-    assert b.recompute == () and b.deviation_budget == 1  # ceil(0.15 * 5)
-    assert c.deviation_budget is None and c.recompute == (0, 1, 2)
-    assert p.cacheblend_check_layer == 1 and p.et_layer is None
-    assert p.num_planned_compute == 2 + 1 + 1 + 3
+    assert a.select == "deviation" and a.budget == 1  # ceil(0.15 * 4)
+    assert b.select == "deviation" and b.budget == 1  # ceil(0.15 * 5)
+    assert c.select == "planned" and c.recompute == (0, 1, 2)
+    assert p.deviation is not None and p.deviation.layer == 1 and p.deviation.total is None
+    assert p.early_exit is None
+    assert p.num_rows == 2 + 4 + 5 + 3  # every reused token runs to the check layer
+    g = plan("cacheblend", config=ReuseConfig(cacheblend_global=True))
+    assert g.deviation is not None and g.deviation.total == 2
 
 
 def test_misses_are_computed_in_full_in_every_mode() -> None:
     for mode in MODES:
         p = plan(mode, variants={})
         assert all(c.variant is None for c in p.chunks), mode
-        assert p.num_planned_compute == 17 - p.prefix_cached, mode
+        assert p.num_rows == 17 - 3 * p.prefix_hit, mode
+        assert p.probe is None, mode
 
 
 def test_variant_of_another_size_is_ignored() -> None:
@@ -281,3 +321,13 @@ def test_keys_have_unambiguous_fields() -> None:
 def test_prefix_key_differs_from_chunk_key() -> None:
     assert prefix_key("m", "t", [5, 6]) == prefix_key("m", "t", [5, 6])
     assert prefix_key("m", "t", [5, 6]) != chunk_key("m", "t", [5, 6])
+
+
+def test_a_vanished_variant_or_prefix_replans_as_computed() -> None:
+    p = plan("cachecraft-paper")
+    m = as_miss(p, 1)
+    assert m.chunks[1].variant is None and m.chunks[1].reason == "vanished"
+    assert m.chunks[1].recompute == (0, 1, 2, 3, 4) and m.num_rows == p.num_rows + 3
+    assert m.chunks[0].is_exact and m.chunks[1].is_exact  # a miss after an exact chunk
+    assert without_prefix_hit(p).num_rows == p.num_rows + 3
+    assert without_prefix_hit(p).rows()[:3] == (0, 1, 2)

@@ -96,24 +96,40 @@ def test_totals_add_up(llm: LLM, mode: str) -> None:
         assert all(c.tokens_recomputed == 0 for c in rep.chunks if c.is_hit)
 
 
-def test_cachecraft_recomputes_ceil_cfo_tokens(llm: LLM) -> None:
-    _run(llm, _req([0, 1, 2]), "cachecraft")
-    out = _run(llm, _req([2, 1, 0]), "cachecraft")
+def _ceil_cfo(c) -> int:
+    return min(c.num_tokens, -int(-(c.cfo * c.num_tokens - 1e-9) // 1))
+
+
+def test_cachecraft_paper_recomputes_ceil_cfo_tokens(llm: LLM) -> None:
+    _run(llm, _req([0, 1, 2]), "cachecraft-paper")
+    out = _run(llm, _req([2, 1, 0]), "cachecraft-paper")
     for c in out.report.chunks:
         assert c.is_hit and c.cfo is not None
-        expected = min(c.num_tokens, -int(-(c.cfo * c.num_tokens - 1e-9) // 1))
-        assert c.tokens_recomputed == expected
+        assert c.tokens_recomputed == _ceil_cfo(c)
+    assert out.report.probe_tokens == 0
+
+
+def test_cachecraft_spends_the_summed_cfo_budget_where_the_question_looks(tiny_dir: Path) -> None:
+    llm = LLM(str(tiny_dir), storage_dtype="float32", focus_threshold=0.0)
+    _run(llm, _req([0, 1, 2]), "cachecraft")
+    out = _run(llm, _req([2, 1, 0]), "cachecraft")
+    chunks = out.report.chunks
+    assert all(c.is_hit and c.reason == "cfo+need" for c in chunks)
+    assert sum(c.tokens_recomputed for c in chunks) == sum(_ceil_cfo(c) for c in chunks)
+    assert out.report.probe_tokens > 0  # the question, probed over the spliced cache
+    rep = out.report
+    assert rep.computed_fraction == (rep.tokens_computed + rep.probe_tokens) / rep.prompt_tokens
 
 
 def test_early_termination_stops_unfocused_chunks(tiny_dir: Path) -> None:
     llm = LLM(str(tiny_dir), alpha=1e9, et_layer=1, focus_threshold=1.1)  # all unfocused
-    _run(llm, _req([0, 1, 2]), "cachecraft")
-    out = _run(llm, _req([2, 1, 0]), "cachecraft")
+    _run(llm, _req([0, 1, 2]), "cachecraft-paper")
+    out = _run(llm, _req([2, 1, 0]), "cachecraft-paper")
     assert [c.last_layer for c in out.report.chunks] == [1, 1, 1]
     assert out.report.layer_fraction < 1.0
     llm0 = LLM(str(tiny_dir), alpha=1e9, et_layer=1, focus_threshold=0.0)  # none unfocused
-    _run(llm0, _req([0, 1, 2]), "cachecraft")
-    out0 = _run(llm0, _req([2, 1, 0]), "cachecraft")
+    _run(llm0, _req([0, 1, 2]), "cachecraft-paper")
+    out0 = _run(llm0, _req([2, 1, 0]), "cachecraft-paper")
     full = _run(llm0, _req([2, 1, 0]), "full")
     assert [c.last_layer for c in out0.report.chunks] == [3, 3, 3]
     assert (out0.first_token_logits - full.first_token_logits).abs().max() < 1e-2
@@ -175,3 +191,122 @@ def test_teacher_forced_logits_of_full_follow_its_own_answer(llm: LLM) -> None:
     assert tf.argmax(-1).tolist() == full.token_ids
     assert again.token_ids == full.token_ids
     assert torch.isfinite(tf).all()
+
+
+# ---- v2: every mode reduces to full, the probe, exactness on a shared store ---------------------
+
+EVERYTHING = dict(
+    alpha=1e9,
+    min_fix=1.0,
+    early_termination=False,
+    prophet_ratio=1.0,
+    epic_k=10_000,
+    cacheblend_ratio=1.0,
+    storage_dtype="float32",
+)
+
+
+@pytest.mark.parametrize(
+    "mode,extra",
+    [
+        ("cachecraft", {}),
+        ("cachecraft", {"probe_split": "global"}),
+        ("cachecraft", {"probe_blend": 1.0, "probe_last_layer": 1}),
+        ("cachecraft-paper", {}),
+        ("prophet", {}),
+        ("epic", {}),
+        ("random", {}),
+        ("cacheblend", {}),
+        ("cacheblend", {"cacheblend_global": True}),
+    ],
+)
+def test_every_mode_told_to_compute_everything_equals_full(
+    tiny_dir: Path, mode: str, extra: dict
+) -> None:
+    llm = LLM(str(tiny_dir), **{**EVERYTHING, **extra})
+    _run(llm, _req([0, 1, 2]), "naive")  # warm: every chunk becomes a variant
+    request = _req([2, 0, 3, 1])
+    full = _run(llm, request, "full")
+    out = _run(llm, request, mode)
+    assert [c.is_hit for c in out.report.chunks] == [True, True, False, True]
+    assert all(c.tokens_recomputed == c.num_tokens for c in out.report.chunks)
+    assert (out.first_token_logits - full.first_token_logits).abs().max() < 1e-4
+    assert out.token_ids == full.token_ids
+
+
+def _spliced(llm: LLM, request: RagRequest):
+    """A cachecraft plan for `request` and its KV with every reused layer filled."""
+    from cachecraft.engine.layer_loader import LayerLoader
+    from cachecraft.model.kv import KVCache
+
+    runner = llm.runner
+    plan = runner.plan(request, "cachecraft")
+    m, layout = llm.loaded, plan.layout
+    kv = KVCache(m.arch, layout.num_tokens, m.model.dtype, m.model.device)
+    prefix = runner.prefix_cache.get(layout.prefix_key)
+    assert prefix is not None and plan.prefix_hit
+    kv.write(0, *prefix)
+    loader = LayerLoader(kv, m.model.rope)
+    for cp in plan.chunks:
+        assert runner._splice(loader, cp)
+    loader.fill_all()
+    loader.close()
+    return plan, kv
+
+
+def test_probe_changes_no_kv_and_measures_question_attention(llm: LLM) -> None:
+    from cachecraft.engine.probe import probe_attention
+    from cachecraft.model.step import SeqWork
+
+    _run(llm, _req([0, 1, 2]), "naive")
+    plan, kv = _spliced(llm, _req([2, 1, 0]))  # every chunk reused: probe positions are real
+    assert plan.probe is not None
+    k0, v0, length = kv.k.clone(), kv.v.clone(), kv.length
+    att = probe_attention(llm.loaded.model, kv, plan)
+    assert torch.equal(kv.k, k0) and torch.equal(kv.v, v0) and kv.length == length
+    assert [len(a) for a in att] == [c.slot.num_tokens for c in plan.chunks]
+    # Same numbers from the model's own span statistics: the question rows over a copy.
+    layout = plan.layout
+    kv.k, kv.v = k0.clone(), v0.clone()
+    rows = torch.arange(layout.question_start, layout.num_tokens)
+    bounds = torch.tensor([(c.slot.start, c.slot.end) for c in plan.chunks])
+    ids = torch.tensor(layout.question_ids)
+    work = SeqWork(kv, ids, rows, span_bounds=bounds, logits_for="none")
+    res = llm.loaded.model.forward_step([work])[0]
+    per_chunk = res.row_span_mass.mean(0)  # [chunks], mean over rows of the layer mean
+    got = torch.tensor([sum(a) for a in att])
+    assert torch.allclose(got, per_chunk, atol=1e-5)
+
+
+def test_probe_leaves_out_chunks_without_kv(llm: LLM) -> None:
+    from cachecraft.engine.probe import probe_attention
+
+    _run(llm, _req([0, 1, 2]), "naive")
+    plan, kv = _spliced(llm, _req([3, 1, 0]))  # chunk 3 is new: no K/V before the prefill
+    assert [c.is_hit for c in plan.chunks] == [False, True, True]
+    att = probe_attention(llm.loaded.model, kv, plan)
+    assert att[0] is None and all(a is not None and min(a) >= 0 for a in att[1:])
+    assert 0 < sum(sum(a) for a in att[1:]) < 1
+
+
+def test_mixed_modes_on_one_store_never_serve_approximate_kv_as_exact(llm: LLM) -> None:
+    store = llm.runner.store
+    _run(llm, _req([0, 1, 2]), "prefix")  # exact variants 0@(), 1@(0), 2@(0, 1)
+    naive = _run(llm, _req([1, 3]), "naive")  # 1 reused out of place; 3 computed after it
+    assert [c.is_hit for c in naive.report.chunks] == [True, False]
+    assert [c.is_exact for c in naive.report.chunks] == [False, False]
+    key3 = naive.report.chunks[1].key
+    (approx,) = store.variants(key3)
+    assert not approx.is_exact and approx.s_old == (naive.report.chunks[0].key,)
+    _run(llm, _req([1]), "prefix")  # an exact variant of 1 at the front
+    out = _run(llm, _req([1, 3]), "prefix")
+    assert [c.is_hit for c in out.report.chunks] == [True, False]  # 3's only variant: approximate
+    assert all(c.is_exact for c in out.report.chunks)
+    full = _run(llm, _req([1, 3]), "full")
+    assert (out.first_token_logits - full.first_token_logits).abs().max() < 1e-4
+    exact = [v for v in store.variants(key3) if v.is_exact]
+    assert len(exact) == 1 and exact[0].variant_id != approx.variant_id  # stored side by side
+    again = _run(llm, _req([1, 3]), "prefix")
+    assert [c.is_hit for c in again.report.chunks] == [True, True]
+    assert again.report.chunks[1].variant_id == exact[0].variant_id
+    assert (again.first_token_logits - full.first_token_logits).abs().max() < 1e-4

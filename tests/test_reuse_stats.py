@@ -7,12 +7,12 @@ import math
 import pytest
 
 from cachecraft.config import ReuseConfig
+from cachecraft.reuse.selectors import top_scored as top_tokens
 from cachecraft.reuse.stats import (
     cache_fix_overhead,
     cci,
     order_penalty,
     prefix_overlap,
-    top_tokens,
 )
 from cachecraft.store.meta import VariantMeta
 

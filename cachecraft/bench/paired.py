@@ -18,7 +18,9 @@ import numpy as np
 
 from cachecraft.bench.metrics import summarize
 
-PAIRED_METRICS: tuple[str, ...] = ("tf_kl", "first_token_kl", "rouge_l", "tf_agreement")
+PAIRED_METRICS: tuple[str, ...] = (
+    "tf_kl", "first_token_kl", "rouge_l", "tf_agreement", "computed_fraction", "flops_fraction",
+)  # fmt: skip
 """Per-request metrics whose paired differences are reported (arm minus reference)."""
 
 Records = Sequence[Mapping[str, Any]]

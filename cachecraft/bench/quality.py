@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -27,7 +28,7 @@ from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel
-from cachecraft.reuse.planner import cachecraft_budgets
+from cachecraft.reuse.planner import matched_budgets
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig, make_store
 from cachecraft.store.memory import MemoryStore
@@ -35,11 +36,13 @@ from cachecraft.store.memory import MemoryStore
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_BYTES = 1 << 30
-MATCHED_MODES: tuple[str, ...] = ("random", "cacheblend", "epic")
+MATCHED_MODES: tuple[str, ...] = ("random", "cacheblend", "epic", "prophet")
 """Modes that take cachecraft's per-request recompute budgets under `match_budget`."""
 
 SWEEP_GRID: dict[str, tuple[str, str, tuple[float, ...]]] = {
     "cachecraft": ("alpha", "alpha", (0.1, 0.25, 0.5, 1.0, 2.0)),
+    "cachecraft-paper": ("alpha", "alpha", (0.1, 0.25, 0.5, 1.0, 2.0)),
+    "prophet": ("prophet_ratio", "ratio", (0.05, 0.1, 0.2, 0.3, 0.5)),
     "cacheblend": ("cacheblend_ratio", "ratio", (0.05, 0.15, 0.3, 0.5)),
     "epic": ("epic_k", "k", (8, 16, 32, 64)),
 }
@@ -47,11 +50,21 @@ SWEEP_GRID: dict[str, tuple[str, str, tuple[float, ...]]] = {
 at the budgets of the cachecraft point of the same alpha."""
 
 ABLATIONS: dict[str, dict[str, Any]] = {
-    "cachecraft-no-et": {"early_termination": False},
-    "cachecraft-one-variant": {"max_variants_per_chunk": 1},
+    "cachecraft-global": {"probe_split": "global"},
+    "cachecraft-chunk": {"probe_split": "chunk"},
+    "cachecraft-no-focus": {"early_termination": False},
+    "cachecraft-blend": {"probe_blend": 1.0},
+    "cachecraft-late-layers": {"probe_first_layer": 10},
+    "cachecraft-short-probe": {"probe_last_layer": 9},
+    "cachecraft-refresh": {"refresh_error": 0.75},
+    "cachecraft-beta-paper": {"beta_rule": "paper"},
     "cachecraft-no-order": {"use_order_penalty": False},
-    "cachecraft-paper-empty": {"empty_s_old": "paper"},
+    "cachecraft-one-variant": {"max_variants_per_chunk": 1},
+    "cachecraft-empty-paper": {"empty_s_old": "paper"},
+    "cacheblend-global": {"cacheblend_global": True},
 }
+"""Arm name -> ReuseConfig changes. cachecraft-*: one choice of the default changed each;
+cacheblend-global: CacheBlend picking its top tokens across chunks (at cachecraft's budget)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +90,7 @@ class _ArmRun:
 
 
 def mode_of(name: str) -> str:
-    """The mode behind an arm name: "epic", "cachecraft-no-et", "random@alpha=0.5" -> its mode."""
+    """The mode behind an arm name: "epic", "cachecraft-global", "random@alpha=0.5" -> its mode."""
     for mode in sorted(MODES, key=len, reverse=True):
         if name == mode or name.startswith((f"{mode}-", f"{mode}@")):
             return mode
@@ -165,16 +178,28 @@ def _compare(item: WorkloadItem, ref: Answer, got: Answer, shape: ModelShape) ->
     """One arm's numbers on one request; `ref` is the full-recompute answer."""
     assert ref.forced_logits is not None and got.forced_logits is not None
     report = got.report
+    rows = got.rows.cpu().numpy()
     layers = (got.rows_last_layer + 1).cpu().numpy()
+    probe = got.plan.probe
+    if probe is not None and report.probe_tokens:
+        # The probe's rows (the question, and the prefix when it was not cached) ran through
+        # layers 0..probe.last_layer; counted at the prompt's last positions, an upper bound
+        # on their attention cost.
+        n = report.prompt_tokens
+        probe_rows = np.arange(n - report.probe_tokens, n)
+        rows = np.concatenate([rows, probe_rows])
+        layers = np.concatenate([layers, np.full(probe_rows.shape, probe.last_layer + 1)])
     agree = ref.forced_logits.argmax(-1) == got.forced_logits.argmax(-1)
     chunks = report.chunks
+    hit_tokens = sum(c.num_tokens for c in chunks if c.is_hit)
+    hit_done = sum(c.tokens_recomputed for c in chunks if c.is_hit)
     return {
         "id": item.id,
         "text": got.text,
         "computed_fraction": report.computed_fraction,
-        "flops_fraction": flops_fraction(
-            shape, got.rows.cpu().numpy(), report.prompt_tokens, layers
-        ),
+        "flops_fraction": flops_fraction(shape, rows, report.prompt_tokens, layers),
+        "reused_recompute_fraction": hit_done / hit_tokens if hit_tokens else None,
+        "probe_fraction": report.probe_tokens / report.prompt_tokens,
         "ttft_ms": report.ttft_ms,
         "chunk_hit_rate": sum(c.is_hit for c in chunks) / len(chunks) if chunks else None,
         "rouge_l": rouge_l(got.text, ref.text),
@@ -193,14 +218,19 @@ def _run_request(
     measure = shape is not None
     full, *others = runs
     ref = answer(full.runner, item.request, sampling, "full", force_answer=measure)
-    budgets: dict[str, list[int | None]] = {}
+    budgets: dict[tuple[str, bool], list[int | None]] = {}  # (arm, probe's rows added)
     for run in others:
         arm = run.arm
-        given = budgets[arm.budget_from] if arm.budget_from else None
+        # A mode with its own probe (prophet) pays for it itself: it gets cachecraft's tokens
+        # without the probe's rows; every other mode gets them as extra tokens.
+        given = budgets[arm.budget_from, arm.mode != "prophet"] if arm.budget_from else None
         forced = ref.token_ids if measure else None
         got = answer(run.runner, item.request, sampling, arm.mode, budgets=given, forced=forced)
         if arm.mode == "cachecraft":
-            budgets[arm.name] = cachecraft_budgets(got.plan)
+            # The baselines get as many tokens in all as cachecraft computed, its probe's
+            # rows included (spread over the reused chunks).
+            budgets[arm.name, True] = matched_budgets(got.plan, extra=got.report.probe_tokens)
+            budgets[arm.name, False] = matched_budgets(got.plan)
         if shape is not None:
             run.records.append(_compare(item, ref, got, shape))
         del got

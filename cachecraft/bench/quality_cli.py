@@ -75,6 +75,10 @@ def _add_common_flags(parser: argparse.ArgumentParser, seed: int) -> None:
         "--chunk-tokens", default=None, metavar="MIN,MAX",
         help="synthetic only: tokens per chunk (default 128,512)",
     )  # fmt: skip
+    parser.add_argument(
+        "--permute", action="store_true",
+        help="synthetic only: the same chunk sets recur, each time in a new order",
+    )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=20, help="first N requests only warm caches")
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy answer length")
     parser.add_argument("--model", default=None, help="HF dir or .gguf (default: bundled)")
@@ -146,8 +150,14 @@ def load_items(args: argparse.Namespace) -> tuple[str, list[WorkloadItem]]:
         if args.workload != "synthetic":
             raise BadRequestError("--chunk-tokens applies to --workload synthetic only")
         kw["chunk_tokens"] = parse_chunk_tokens(args.chunk_tokens)
+    if getattr(args, "permute", False):
+        if args.workload != "synthetic":
+            raise BadRequestError("--permute applies to --workload synthetic only")
+        kw["permute"] = True
     items = build_workload(args.workload, n, seed=args.seed, **kw)
     name = args.workload if args.workload in BUILTIN_WORKLOADS else Path(args.workload).stem
+    if kw.get("permute"):
+        name = "synthetic-permute"
     return name, items
 
 

@@ -17,6 +17,8 @@ from cachecraft.bench.paired import paired_summary
 MEAN_METRICS: tuple[str, ...] = (
     "computed_fraction",
     "flops_fraction",
+    "reused_recompute_fraction",
+    "probe_fraction",
     "rouge_l",
     "first_token_kl",
     "tf_kl",

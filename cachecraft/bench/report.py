@@ -8,7 +8,8 @@ Schema of `results` (every metric may be missing or None; a sweep may be empty):
          "sweep": {mode: [{"param": x, "computed_fraction": f, "tf_kl": f, "rouge_l": f}, ...]},
          "paired": {"reference": arm, "arms": {arm: {metric: summary}}, "kl_removed": {...}}}}}
 
-Metrics read: computed_fraction, flops_fraction, ttft_p50_ms, ttft_p95_ms, rouge_l (vs full),
+Metrics read: computed_fraction, flops_fraction, reused_recompute_fraction, probe_fraction,
+chunk_hit_rate, ttft_p50_ms, ttft_p95_ms, rouge_l (vs full),
 first_token_kl, tf_kl, tf_agreement, f1, em, storage_bytes (see COLUMNS).
 """
 
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("computed_fraction", "computed frac", "{:.3f}"),
     ("flops_fraction", "FLOPs frac", "{:.3f}"),
+    ("reused_recompute_fraction", "reused recomputed", "{:.3f}"),
+    ("probe_fraction", "probe frac", "{:.3f}"),
+    ("chunk_hit_rate", "hit rate", "{:.3f}"),
     ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
     ("ttft_p95_ms", "TTFT p95 ms", "{:.1f}"),
     ("rouge_l", "ROUGE-L vs full", "{:.3f}"),
@@ -96,6 +100,8 @@ PAIRED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("first_token_kl", "Δ first-token KL", "{:+.4f}"),
     ("rouge_l", "Δ ROUGE-L", "{:+.3f}"),
     ("tf_agreement", "Δ TF agreement", "{:+.3f}"),
+    ("computed_fraction", "Δ computed frac", "{:+.3f}"),
+    ("flops_fraction", "Δ FLOPs frac", "{:+.3f}"),
 )
 """(metric, header, format) of the paired table: arm minus the reference, per request."""
 

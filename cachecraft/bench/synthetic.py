@@ -3,6 +3,8 @@
 The Zipf exponent is calibrated so that the top 5% of chunks appear in ~60% of requests (the
 paper's production skew); chunks recur in new orders and new company. Each question asks which
 article a quoted sentence of one chunk comes from; the gold answer is that article's title.
+With `permute`, the same sets of k chunks recur instead, each time in a new order (where the
+order of a chunk's context, and so the order penalty, matters).
 """
 
 from __future__ import annotations
@@ -129,15 +131,18 @@ def synthetic(
     top_fraction: float = 0.05,
     target_share: float = 0.6,
     rate_per_s: float | None = None,
+    permute: bool = False,
 ) -> list[WorkloadItem]:
     """`num_requests` requests of k distinct chunks from a pool of `num_chunks` (default: enough
     for ~5 uses per chunk), popularity Zipf-calibrated to the paper's skew, in shuffled order.
-    `rate_per_s` adds Poisson arrival times."""
+    `rate_per_s` adds Poisson arrival times. `permute`: see `permuted_sets`."""
     if num_chunks is None:
         num_chunks = max(4 * k, math.ceil(num_requests * k / 5))
     if num_requests < 0 or k < 1 or num_chunks < k:
         raise BadRequestError(f"synthetic needs num_chunks >= k >= 1, got {num_chunks}, {k}")
     rng = np.random.default_rng(seed)
+    if permute:
+        return permuted_sets(num_requests, k, chunk_tokens, seed, rng)
     chunks = build_chunks(num_chunks, chunk_tokens, rng)
     exponent = calibrate_zipf(num_chunks, k, top_fraction, target_share, seed)
     logger.info("synthetic: %d chunks, Zipf exponent %.3f", num_chunks, exponent)
@@ -158,13 +163,44 @@ def synthetic(
     items = []
     for i, ranks in enumerate(picked):
         members = [chunks[rank_to_chunk[r]] for r in rng.permutation(ranks)]
-        question, title = _question(members[int(rng.integers(k))], rng)
-        items.append(
-            WorkloadItem(
-                id=f"synthetic-{seed}-{i}",
-                request=RagRequest(question, [Chunk(c.text, c.id) for c in members]),
-                answers=(title,),
-                arrival_s=None if arrivals is None else float(arrivals[i] - arrivals[0]),
-            )
-        )
+        arrival = None if arrivals is None else float(arrivals[i] - arrivals[0])
+        items.append(_item(f"synthetic-{seed}-{i}", members, rng, arrival))
+    return items
+
+
+def _item(
+    item_id: str, members: list[SyntheticChunk], rng: np.random.Generator, arrival: float | None
+) -> WorkloadItem:
+    question, title = _question(members[int(rng.integers(len(members)))], rng)
+    return WorkloadItem(
+        id=item_id,
+        request=RagRequest(question, [Chunk(c.text, c.id) for c in members]),
+        answers=(title,),
+        arrival_s=arrival,
+    )
+
+
+def permuted_sets(
+    num_requests: int,
+    k: int,
+    chunk_tokens: tuple[int, int],
+    seed: int,
+    rng: np.random.Generator,
+    uses_per_set: int = 4,
+) -> list[WorkloadItem]:
+    """ceil(num_requests / uses_per_set) disjoint sets of k chunks; requests visit the sets in
+    rounds (each round in a new random order of sets), every visit with the set's chunks in a
+    new random order and a question about one of them."""
+    if uses_per_set < 1:
+        raise BadRequestError("uses_per_set must be >= 1")
+    num_sets = max(1, math.ceil(num_requests / uses_per_set))
+    chunks = build_chunks(num_sets * k, chunk_tokens, rng)
+    sets = [chunks[j * k : (j + 1) * k] for j in range(num_sets)]
+    order: list[int] = []
+    while len(order) < num_requests:
+        order.extend(rng.permutation(num_sets).tolist())
+    items = []
+    for i, j in enumerate(order[:num_requests]):
+        members = [sets[j][t] for t in rng.permutation(k)]
+        items.append(_item(f"permute-{seed}-{i}", members, rng, None))
     return items

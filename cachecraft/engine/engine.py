@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,15 +31,27 @@ from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner
 from cachecraft.engine.sampling import SamplingParams, make_generator, sample
 from cachecraft.engine.scheduler import QueueFull, Scheduler
 from cachecraft.errors import BadRequestError
-from cachecraft.model.step import SeqWork
+from cachecraft.model.step import SeqResult, SeqWork
 from cachecraft.request import RagRequest
+from cachecraft.reuse.layout import PromptLayout
 from cachecraft.reuse.plan import RecomputePlan
+from cachecraft.store.codec import CorruptVariantError
 
 log = logging.getLogger(__name__)
 
 
 class EngineStopped(RuntimeError):
     """The engine shut down before the request finished."""
+
+
+class Liveness(NamedTuple):
+    """What /health reads: is the step thread alive, and how long has its current unit of
+    work (admits, calls, one step) been running (None: idle)."""
+
+    is_alive: bool
+    busy_s: float | None
+    num_steps: int
+    num_failed_requests: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +85,8 @@ class _Live:
     generator: torch.Generator | None = None
     stops: frozenset[int] = field(default_factory=frozenset)
     outcome: PrefillOutcome | None = None
+    layout: PromptLayout | None = None
+    """Tokenized before submit (off the step thread); None: tokenized when planned."""
     options: RequestOptions | None = None
     extras: RequestExtras | None = None
 
@@ -96,8 +110,10 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._busy_since: float | None = None
         self.num_steps = 0
         self.num_aborted = 0
+        self.num_failed = 0
         self.recent_steps: deque[StepStat] = deque(maxlen=4096)
 
     # ---- other threads ----------------------------------------------------------------------
@@ -109,6 +125,21 @@ class Engine:
     def num_running(self) -> int:
         return self.scheduler.num_running
 
+    @property
+    def is_alive(self) -> bool:
+        if self.caller_driven:
+            return not self._stopping
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def liveness(self) -> Liveness:
+        busy = self._busy_since
+        return Liveness(
+            self.is_alive,
+            None if busy is None else time.monotonic() - busy,
+            self.num_steps,
+            self.num_failed,
+        )
+
     def submit(
         self,
         request: RagRequest,
@@ -116,21 +147,24 @@ class Engine:
         mode: str | None = None,
         budgets: list[int | None] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        layout: PromptLayout | None = None,
         options: RequestOptions | None = None,
     ) -> RequestHandle:
-        """Queue a request. Raises QueueFull (backpressure) or BadRequestError (unknown mode);
-        planning errors (context length, ...) arrive as a Failed event."""
+        """Queue a request. Raises QueueFull (backpressure), BadRequestError (unknown mode) or
+        EngineStopped; planning errors (context length, ...) arrive as a Failed event.
+        `layout`: the request already tokenized (`runner.layout(request)`, on any thread)."""
         mode = mode or self.config.mode
         if mode not in MODES:
             raise BadRequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         with self._wake:
-            if not self._is_running():
+            if not self.is_alive:
                 raise EngineStopped("the engine is not running")
             if self.num_waiting >= self.config.max_queue:
                 raise QueueFull(f"{self.num_waiting} requests are waiting (max_queue)")
             handle = RequestHandle(f"req-{next(self._ids)}", self.abort, loop)
             sampling = sampling or SamplingParams()
             live = _Live(handle, request, sampling, mode, budgets, time.perf_counter())
+            live.layout = layout
             live.options = options
             self._inbox.append(live)
             self._wake.notify()
@@ -147,14 +181,11 @@ class Engine:
         """Run `fn()` on the step thread between steps (it may use the model and the store)."""
         future: Future = Future()
         with self._wake:
-            if not self._is_running():
+            if not self.is_alive:
                 raise EngineStopped("the engine is not running")
             self._calls.append((fn, future))
             self._wake.notify()
         return future
-
-    def _is_running(self) -> bool:
-        return not self._stopping and (self._thread is not None or self.caller_driven)
 
     def has_work(self) -> bool:
         """Anything submitted, queued or running that a step would advance."""
@@ -185,6 +216,17 @@ class Engine:
 
     # ---- the step thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            log.critical("the engine step thread died", exc_info=True)
+            self._stopping = True
+            raise
+        finally:
+            self._busy_since = None
+            self._shutdown()
+
+    def _loop(self) -> None:
         while True:
             with self._wake:
                 while not (
@@ -198,7 +240,6 @@ class Engine:
                 if self._stopping:
                     break
             self._advance(*self._take())
-        self._shutdown()
 
     def _take(self) -> tuple[list[_Live], dict[str, str], list[tuple[Callable[[], Any], Future]]]:
         """What other threads queued since the last step (under the lock)."""
@@ -215,6 +256,7 @@ class Engine:
         calls: list[tuple[Callable[[], Any], Future]],
     ) -> None:
         """Run the queued calls, apply aborts, admit new requests, then one step."""
+        self._busy_since = time.monotonic()
         for fn, future in calls:
             if future.set_running_or_notify_cancel():
                 try:
@@ -229,11 +271,13 @@ class Engine:
                 self.num_aborted += reason == "abort"
                 live.handle.push(Finished(reason, [], None))
             else:
-                self._admit(live)
+                self._admit_guarded(live)
         try:
             self._step()
         except Exception:  # never let one bad step end the loop
             log.exception("engine step failed")
+            self._fail_stuck()
+        self._busy_since = None
 
     def _shutdown(self) -> None:
         with self._wake:
@@ -246,11 +290,125 @@ class Engine:
             future.cancel()
         self._live.clear()
 
+    # ---- fault isolation: one request's error fails that request, never the loop ------------
+    def _admit_guarded(self, live: _Live) -> None:
+        try:
+            self._admit(live)
+        except Exception as e:
+            log.warning("request %s failed on admission: %r", live.handle.request_id, e)
+            self.scheduler.abort(live.handle.request_id)
+            self._live.pop(live.handle.request_id, None)
+            self.num_failed += 1
+            live.handle.push(Failed(e))
+
+    def _fail_stuck(self) -> None:
+        """After a step failed outside every per-request guard: fail the requests that would
+        fail the same way on every later step (prefilled, so scheduled to decode, but without a
+        token to feed back); the others are simply scheduled again."""
+        for rid, live in list(self._live.items()):
+            state = live.state
+            if state is not None and live.outcome is not None and not state.output_ids:
+                self._fail(rid, RuntimeError("the engine step failed for this request"))
+
+    def _start(self, live: _Live) -> None:
+        """Plan again (variants stored while this request waited, by requests admitted before
+        it, become hits; metadata only, so cheap) and splice its KV. A chunk-cache found corrupt
+        while splicing (a probe reads every layer up front) was dropped by the store, so
+        planning once more makes it a miss."""
+        assert live.state is not None
+        for attempt in range(2):
+            live.plan = self._plan(live)
+            try:
+                extra = live.state.max_tokens + len(live.options.forced if live.options else ())
+                live.job = self.runner.start(live.plan, extra, live.t_submit)
+                return
+            except CorruptVariantError:
+                if attempt:
+                    raise
+                log.warning(
+                    "request %s: a chunk-cache was corrupt; planning it again",
+                    live.handle.request_id,
+                )
+
+    def _plan(self, live: _Live) -> RecomputePlan:
+        return self.runner.plan(live.request, live.mode, live.budgets, layout=live.layout)
+
+    def _forward_isolated(
+        self, works: list[SeqWork], order: list[tuple[str, bool]]
+    ) -> list[SeqResult | None]:
+        """One forward step over all works; if it raises, each sequence runs again alone so
+        that only the failing ones fail (None). K/V writes go to explicit positions, so a decode
+        run twice writes the same K/V; a prefill is started afresh (its layer readers may be
+        spent), and one whose chunk-cache was corrupt is planned again (the store dropped it,
+        so it becomes a miss), as `Runner.prefill` does."""
+        try:
+            return list(self.runner.loaded.model.forward_step(works))
+        except Exception:
+            log.exception("forward step over %d sequences failed; isolating", len(works))
+        results: list[SeqResult | None] = []
+        for work, (rid, is_prefill) in zip(works, order, strict=True):
+            results.append(self._forward_alone(work, rid, is_prefill, len(works) == 1))
+        return results
+
+    def _forward_alone(
+        self, work: SeqWork, rid: str, is_prefill: bool, failed_alone: bool
+    ) -> SeqResult | None:
+        live = self._live.get(rid)
+        if live is None:
+            return None
+        for attempt in range(2):
+            try:
+                if is_prefill:
+                    if failed_alone and attempt == 0:
+                        continue  # it already failed alone once; start afresh right away
+                    self._close_loader(live)
+                    self._start(live)
+                    assert live.job is not None
+                    work = live.job.work
+                return self.runner.loaded.model.forward_step([work])[0]
+            except CorruptVariantError as e:
+                if not is_prefill or attempt:
+                    self._fail(rid, e)
+                    return None
+                log.warning("request %s: a chunk-cache was corrupt; planning it again", rid)
+            except Exception as e:
+                log.warning("request %s failed in the forward step: %r", rid, e)
+                self._fail(rid, e)
+                return None
+        return None
+
+    @staticmethod
+    def _close_loader(live: _Live) -> None:
+        loader = live.job.loader if live.job is not None else None
+        if loader is not None:
+            try:
+                loader.close()
+            except Exception:  # noqa: BLE001 - closing a spent reader must not fail the retry
+                log.debug("closing a layer loader failed", exc_info=True)
+
+    def _sample_emit(self, rid: str, logits: torch.Tensor) -> None:
+        live = self._live.get(rid)
+        if live is None:
+            return
+        try:
+            token = sample(logits, live.sampling, live.generator)
+        except Exception as e:
+            log.warning("request %s failed while sampling: %r", rid, e)
+            self._fail(rid, e)
+            return
+        self._emit(live, token)
+
+    def _commit_guarded(self, outcome: PrefillOutcome) -> None:
+        try:
+            self.runner.commit(outcome)
+        except Exception:  # the answer went out; only the cache entry is lost
+            log.exception("committing variants failed")
+
     def _admit(self, live: _Live) -> None:
         """Plan (store metadata only), prefetch the chosen variants, queue for the scheduler."""
         rid = live.handle.request_id
         try:
-            plan = self.runner.plan(live.request, live.mode, live.budgets)
+            plan = self._plan(live)
         except Exception as e:
             live.handle.push(Failed(e))
             return
@@ -259,7 +417,7 @@ class Engine:
         # n output tokens need n - 1 fed back in: positions up to num_tokens + n - 2 < max_ctx.
         max_tokens = min(live.sampling.max_tokens, max_ctx - layout.num_tokens + 1)
         live.plan = plan
-        live.state = SeqState(rid, layout.num_tokens, _num_rows(self.runner, plan), max_tokens)
+        live.state = SeqState(rid, layout.num_tokens, plan.num_rows, max_tokens)
         live.generator = make_generator(live.sampling)
         eos = () if live.sampling.ignore_eos else self.runner.loaded.eos_token_ids
         live.stops = frozenset((*eos, *live.sampling.stop_token_ids))
@@ -285,11 +443,7 @@ class Engine:
             live = self._live[rid]
             assert live.plan is not None and live.state is not None
             try:
-                # Plan again now: variants stored while this request waited (by requests
-                # admitted before it) become hits. Metadata only, so cheap.
-                live.plan = self.runner.plan(live.request, live.mode, live.budgets)
-                extra = live.state.max_tokens + len(live.options.forced if live.options else ())
-                live.job = self.runner.start(live.plan, extra, live.t_submit)
+                self._start(live)
             except Exception as e:
                 self._fail(rid, e)
                 continue
@@ -297,25 +451,25 @@ class Engine:
             order.append((rid, True))
         for rid in out.decode_ids:
             live = self._live[rid]
-            assert live.job is not None and live.state is not None
-            kv = live.job.kv
-            pos = torch.tensor([kv.length], device=kv.k.device)
-            works.append(SeqWork(kv, torch.tensor([live.state.output_ids[-1]]), pos))
+            try:
+                assert live.job is not None and live.state is not None
+                kv = live.job.kv
+                pos = torch.tensor([kv.length], device=kv.k.device)
+                works.append(SeqWork(kv, torch.tensor([live.state.output_ids[-1]]), pos))
+            except Exception as e:  # a request in a state it cannot decode from
+                self._fail(rid, e)
+                continue
             order.append((rid, False))
         if not works:
             return
         self.num_steps += 1
         t_step = time.perf_counter()
-        try:
-            results = self.runner.loaded.model.forward_step(works)
-        except Exception as e:
-            log.exception("forward step over %d sequences failed", len(works))
-            for rid, _ in order:
-                self._fail(rid, e)
-            return
+        results = self._forward_isolated(works, order)
         outcomes: list[PrefillOutcome] = []
         for (rid, is_prefill), result in zip(order, results, strict=True):
-            live = self._live[rid]
+            live = self._live.get(rid)
+            if live is None or result is None:
+                continue
             if is_prefill:
                 assert live.job is not None
                 try:
@@ -330,7 +484,7 @@ class Engine:
                 logits = outcome.first_logits
             else:
                 logits = result.logits[0]
-            self._emit(live, sample(logits, live.sampling, live.generator))
+            self._sample_emit(rid, logits)
             if is_prefill and live.options is not None and rid in self._live:
                 self._extras(live)  # after the first token: off the TTFT path
         num_prefills = len(works) - len(out.decode_ids)
@@ -338,10 +492,7 @@ class Engine:
         ms = 1000 * (time.perf_counter() - t_step)
         self.recent_steps.append(StepStat(num_prefills, prefill_rows, len(out.decode_ids), ms))
         for outcome in outcomes:  # off the time-to-first-token path
-            try:
-                self.runner.commit(outcome)
-            except Exception:
-                log.exception("committing variants failed")
+            self._commit_guarded(outcome)
 
     def _emit(self, live: _Live, token: int) -> None:
         state = live.state
@@ -364,6 +515,7 @@ class Engine:
     def _fail(self, request_id: str, error: BaseException) -> None:
         live = self._drop(request_id, None)
         if live is not None:
+            self.num_failed += 1
             live.handle.push(Failed(error))
 
     def _drop(self, request_id: str, reason: str | None) -> _Live | None:
@@ -386,30 +538,17 @@ class Engine:
         opts, job, outcome = live.options, live.job, live.outcome
         if opts is None or job is None or outcome is None or live.state is None:
             return None
+        model = self.runner.loaded.model
         if live.extras is None:
             live.extras = RequestExtras(
                 job.plan, job.rows, outcome.rows_last_layer, outcome.first_logits
             )
             if opts.forced:
-                live.extras.forced_logits = force_tokens(
-                    self.runner.loaded.model, job.kv, outcome, list(opts.forced)
-                )
+                live.extras.forced_logits = force_tokens(model, job.kv, outcome, list(opts.forced))
         if at_end and opts.force_answer and live.state.output_ids:
-            live.extras.forced_logits = force_tokens(
-                self.runner.loaded.model, job.kv, outcome, list(live.state.output_ids)
-            )
+            output = list(live.state.output_ids)
+            live.extras.forced_logits = force_tokens(model, job.kv, outcome, output)
         return live.extras
-
-
-def _num_rows(runner: Runner, plan: RecomputePlan) -> int:
-    """Prompt positions the prefill will compute (what `Runner.start` will select)."""
-    layout = plan.layout
-    prefix_cached = plan.mode != "full" and runner.prefix_cache.get(layout.prefix_key) is not None
-    rows = 0 if prefix_cached else layout.prefix_len
-    for cp in plan.chunks:
-        full = cp.variant is None or cp.deviation_budget is not None
-        rows += cp.slot.num_tokens if full else len(cp.recompute)
-    return rows + len(layout.question_ids)
 
 
 __all__ = ["Engine", "EngineConfig", "EngineStopped", "RequestExtras", "RequestOptions", "StepStat"]

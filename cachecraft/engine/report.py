@@ -21,6 +21,11 @@ class ChunkReport:
     gamma: float | None = None
     beta_adj: float | None = None
     cfo: float | None = None
+    reason: str | None = None
+    """Why the plan did what it did for this chunk (reuse/plan.py ChunkPlan.reason)."""
+    predicted_error: float | None = None
+    is_exact: bool = False
+    """Its K/V after the prefill equal a full prefill's."""
 
 
 @dataclass(slots=True)
@@ -34,6 +39,8 @@ class RequestReport:
     """Share of (position, layer) pairs computed: early termination lowers it."""
     ttft_ms: float = 0.0
     prefix_cached: int = 0
+    probe_tokens: int = 0
+    """Rows the question probe computed before the prefill (its cost; not in tokens_computed)."""
 
     @property
     def tokens_reused(self) -> int:
@@ -41,7 +48,9 @@ class RequestReport:
 
     @property
     def computed_fraction(self) -> float:
-        return self.tokens_computed / self.prompt_tokens if self.prompt_tokens else 0.0
+        """Rows computed, the probe's included, per prompt token."""
+        done = self.tokens_computed + self.probe_tokens
+        return done / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def to_dict(self) -> dict:
         out = asdict(self)

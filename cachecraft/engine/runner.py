@@ -1,7 +1,8 @@
 """Runner: turn a request into a plan, assemble its KV, run the partial prefill, make variants.
 
-plan(request, mode)  -> RecomputePlan            (store metadata only)
-start(plan)          -> PrefillJob (KV spliced: prefix cache + moved chunk K/V; SeqWork)
+plan(request, mode)  -> RecomputePlan            (store metadata + prefix cache state)
+start(plan)          -> PrefillJob (KV spliced: prefix cache + moved chunk K/V; the probe
+                        pass if the plan has one, which fixes the plan's rows; SeqWork)
 model.forward_step([job.work, ...])              (one or many jobs batched by the engine)
 finish(job, result)  -> PrefillOutcome (first-token logits, report)
 commit(outcome)      -> new variants assembled and offered to the store, the prefix cached:
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +21,7 @@ from cachecraft.config import MODES, ReuseConfig
 from cachecraft.engine.hooks import DeviationSelect, EarlyTermination
 from cachecraft.engine.layer_loader import LayerLoader
 from cachecraft.engine.prefix_cache import PrefixCache
+from cachecraft.engine.probe import probe_attention
 from cachecraft.engine.report import ChunkReport, RequestReport
 from cachecraft.engine.variants import make_variants
 from cachecraft.errors import BadRequestError
@@ -27,9 +29,9 @@ from cachecraft.model.kv import KVCache
 from cachecraft.model.loader import DTYPES, LoadedModel
 from cachecraft.model.step import Hook, SeqResult, SeqWork
 from cachecraft.request import RagRequest
-from cachecraft.reuse.layout import build_layout
+from cachecraft.reuse.layout import PromptLayout, build_layout
 from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
-from cachecraft.reuse.planner import plan_request
+from cachecraft.reuse.planner import as_miss, plan_request, resolve_probe, without_prefix_hit
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.codec import CorruptVariantError
 from cachecraft.store.layers import TensorLayerReader
@@ -47,12 +49,13 @@ class PrefillJob:
     kv: KVCache
     work: SeqWork
     rows: torch.Tensor
-    prefix_computed: bool
     t_start: float
     early_exit: EarlyTermination | None = None
     loader: LayerLoader | None = None
     stat_chunks: tuple[int, ...] = ()
     """Chunk indexes whose rows collect attention statistics (they become variants)."""
+    probe_rows: int = 0
+    """Rows the probe pass computed before the prefill (0: no probe ran)."""
 
 
 @dataclass(slots=True)
@@ -95,17 +98,27 @@ class Runner:
         mode: str,
         budgets: list[int | None] | None = None,
         lookup: bool = True,
+        layout: PromptLayout | None = None,
     ) -> RecomputePlan:
         """The request's plan; `lookup=False` ignores stored variants (every chunk computed in
-        full and made a variant: `LLM.precompute`)."""
+        full and made a variant: `LLM.precompute`). `layout`: `self.layout(request)` computed
+        earlier (tokenization done off the step thread)."""
         if mode not in MODES:
             raise BadRequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         m = self.loaded
-        layout = build_layout(request, m.tokenizer, m.fingerprint, m.arch.max_position_embeddings)
+        layout = layout or self.layout(request)
         variants: dict[str, list[VariantMeta]] = {}
         if mode != "full" and lookup:
             variants = {c.key: self.store.variants(c.key) for c in layout.chunks}
-        return plan_request(layout, variants, mode, self.reuse, m.arch.num_layers, budgets)
+        prefix_hit = self.prefix_cache.get(layout.prefix_key) is not None
+        return plan_request(
+            layout, variants, mode, self.reuse, m.arch.num_layers, budgets, prefix_hit
+        )
+
+    def layout(self, request: RagRequest) -> PromptLayout:
+        """Tokenize the request and check the context length (no model, no store: any thread)."""
+        m = self.loaded
+        return build_layout(request, m.tokenizer, m.fingerprint, m.arch.max_position_embeddings)
 
     # ---- KV assembly ----------------------------------------------------------------------
     def start(
@@ -116,45 +129,47 @@ class Runner:
         *,
         precompute: bool = False,
     ) -> PrefillJob:
-        """Splice the KV and build the SeqWork. A variant that cannot be loaded becomes a miss.
+        """Splice the KV, run the plan's probe (if any), build the SeqWork. A variant that
+        cannot be loaded becomes a miss; a prefix the cache dropped is computed.
 
         Statistics are collected only for missed chunks the store would admit (`precompute`:
         for every chunk, whatever the store would say)."""
         t0 = time.perf_counter() if t_start is None else t_start
         m, layout = self.loaded, plan.layout
         kv = KVCache(m.arch, layout.num_tokens + extra_capacity, m.model.dtype, m.model.device)
-        rows: list[int] = []
-        prefix = self.prefix_cache.get(layout.prefix_key) if plan.mode != "full" else None
-        if prefix is not None:
-            kv.write(0, *prefix)
-        else:
-            rows.extend(range(layout.prefix_len))
-        chunks = []
-        loader = LayerLoader(kv, self.loaded.model.rope)
-        for cp in plan.chunks:
-            cp = self._splice(loader, cp)
-            chunks.append(cp)
-            start = cp.slot.start
-            if cp.variant is None or cp.deviation_budget is not None:
-                rows.extend(range(start, cp.slot.end))
+        if plan.prefix_hit:
+            prefix = self.prefix_cache.get(layout.prefix_key)
+            if prefix is None:
+                plan = without_prefix_hit(plan)
             else:
-                rows.extend(start + i for i in cp.recompute)
-        rows.extend(range(layout.question_start, layout.num_tokens))
-        plan = replace(plan, chunks=tuple(chunks))
-        positions = torch.tensor(rows, dtype=torch.long)
+                kv.write(0, *prefix)
+        loader = LayerLoader(kv, self.loaded.model.rope)
+        for i, cp in enumerate(plan.chunks):
+            if not self._splice(loader, cp):
+                plan = as_miss(plan, i)
+        probe_rows = 0
+        if not plan.is_resolved:
+            try:
+                loader.fill_all()  # the probe reads every layer of the reused chunks up front
+            except Exception:
+                loader.close()
+                raise
+            probe_rows = plan.num_probe_rows
+            plan = resolve_probe(plan, probe_attention(m.model, kv, plan))
+        positions = torch.tensor(plan.rows(), dtype=torch.long)
         ids = torch.tensor(layout.token_ids, dtype=torch.long)[positions]
         work = SeqWork(kv, ids, positions)
-        if loader.num_readers:
+        if loader.num_readers and not probe_rows:
             work.before_layer = loader.fill_layer
-        job = PrefillJob(plan, kv, work, positions, prefix is None, t0, loader=loader)
+        job = PrefillJob(plan, kv, work, positions, t0, loader=loader, probe_rows=probe_rows)
         self._add_stats(job, precompute)
         self._add_hooks(job)
         return job
 
-    def _splice(self, loader: LayerLoader, cp: ChunkPlan) -> ChunkPlan:
-        """Queue the chunk's variant for layer-wise loading; a missing one becomes a miss."""
+    def _splice(self, loader: LayerLoader, cp: ChunkPlan) -> bool:
+        """Queue the chunk's variant for layer-wise loading; False if it cannot be loaded."""
         if cp.variant is None:
-            return cp
+            return True
         variant_id = cp.variant.variant_id
         open_layers = getattr(self.store, "open_layers", None)
         if open_layers is not None:
@@ -164,15 +179,15 @@ class Runner:
             reader = None if variant is None else TensorLayerReader(variant.keys, variant.values)
         if reader is None:
             log.warning("variant %s vanished; computing chunk in full", variant_id)
-            return ChunkPlan(slot=cp.slot, variant=None, recompute=tuple(range(cp.slot.num_tokens)))
+            return False
         loader.add(reader, cp.slot.start, cp.slot.end)
-        return cp
+        return True
 
     def _add_stats(self, job: PrefillJob, precompute: bool) -> None:
         """Attention statistics for chunks computed in full that will become variants; `full`
         and `prefix` (which reuses only exact variants) never read them."""
         plan, layout = job.plan, job.plan.layout
-        if plan.mode in ("full", "prefix"):
+        if not plan.make_variants or plan.mode == "prefix":
             return
         picked = tuple(
             i
@@ -196,24 +211,25 @@ class Runner:
         plan, layout = job.plan, job.plan.layout
         top = self.loaded.arch.num_layers - 1
         hooks: dict[int, Hook] = {}
-        if plan.et_layer is not None and plan.focus_threshold is not None and plan.et_layer < top:
+        early = plan.early_exit
+        if early is not None and early.layer < top:
             eligible = tuple(
                 i for i, cp in enumerate(plan.chunks) if cp.variant is not None and cp.recompute
             )
             bounds = torch.tensor([(c.slot.start, c.slot.end) for c in plan.chunks] or [(0, 0)])
             if eligible:
                 job.early_exit = EarlyTermination(
-                    layout.question_start, bounds, eligible, plan.focus_threshold
+                    layout.question_start, bounds, eligible, early.threshold
                 )
-                hooks[plan.et_layer] = job.early_exit
-        if plan.cacheblend_check_layer is not None:
+                hooks[early.layer] = job.early_exit
+        if plan.deviation is not None:
             spans = tuple(
-                (cp.slot.start, cp.slot.end, cp.deviation_budget)
+                (cp.slot.start, cp.slot.end, cp.budget)
                 for cp in plan.chunks
-                if cp.variant is not None and cp.deviation_budget is not None
+                if cp.variant is not None and cp.select == "deviation"
             )
             if spans:
-                hooks[min(plan.cacheblend_check_layer, top)] = DeviationSelect(spans)
+                hooks[min(plan.deviation.layer, top)] = DeviationSelect(spans, plan.deviation.total)
                 job.work.hooks_need_old = True
         job.work.hooks = hooks
 
@@ -229,7 +245,7 @@ class Runner:
         tokens_computed += len(layout.question_ids)
         for cp in plan.chunks:
             in_chunk = (job.rows >= cp.slot.start) & (job.rows < cp.slot.end)
-            if cp.deviation_budget is not None:  # CacheBlend: tokens kept past the check layer
+            if cp.select == "deviation":  # CacheBlend: tokens kept past the check layer
                 done = int((in_chunk & (last == top)).sum())
             else:
                 done = int(in_chunk.sum())
@@ -237,7 +253,7 @@ class Runner:
             chunk_reports.append(self._chunk_report(cp, done, last[in_chunk]))
             if cp.variant is not None:
                 hits.append((cp.variant.variant_id, done / max(1, cp.slot.num_tokens)))
-            elif plan.mode != "full":
+            elif plan.make_variants:
                 misses.append(cp.slot.key)
         total_layers = layout.num_tokens * (top + 1)
         report = RequestReport(
@@ -246,7 +262,8 @@ class Runner:
             prompt_tokens=layout.num_tokens,
             tokens_computed=tokens_computed,
             layer_fraction=float((last + 1).sum()) / total_layers if total_layers else 0.0,
-            prefix_cached=layout.prefix_len if not job.prefix_computed else 0,
+            prefix_cached=layout.prefix_len if plan.prefix_hit else 0,
+            probe_tokens=job.probe_rows,
         )
         return PrefillOutcome(result.logits[-1], report, hits, misses, last, job, result)
 
@@ -258,7 +275,7 @@ class Runner:
             return outcome.variants
         job, result = outcome.job, outcome.result
         outcome.is_assembled, outcome.job, outcome.result = True, None, None
-        if job is None or result is None or job.plan.mode == "full":
+        if job is None or result is None or not job.plan.make_variants:
             return outcome.variants
         plan, rope = job.plan, self.loaded.model.rope
         if plan.mode == "prefix":
@@ -270,7 +287,7 @@ class Runner:
             outcome.variants = make_variants(
                 plan, job.rows, job.kv, result, rope, self.storage_dtype, job.stat_chunks
             )
-        if job.prefix_computed:
+        if not plan.prefix_hit:
             p = plan.layout.prefix_len
             self.prefix_cache.put(
                 plan.layout.prefix_key, job.kv.k[:, :, :p].clone(), job.kv.v[:, :, :p].clone()
@@ -294,6 +311,9 @@ class Runner:
             gamma=cp.gamma,
             beta_adj=cp.beta_adj,
             cfo=cp.cfo,
+            reason=cp.reason,
+            predicted_error=cp.error,
+            is_exact=cp.is_exact,
         )
 
     def commit(self, outcome: PrefillOutcome) -> None:
@@ -318,11 +338,12 @@ class Runner:
         again (that chunk becomes a miss), never served from bad bytes."""
         t0 = time.perf_counter()
         for attempt in range(2):
-            job = self.start(self.plan(request, mode, budgets), extra_capacity, t0)
+            job = None
             try:
+                job = self.start(self.plan(request, mode, budgets), extra_capacity, t0)
                 result = self.loaded.model.forward_step([job.work])[0]
             except CorruptVariantError:
-                if job.loader is not None:
+                if job is not None and job.loader is not None:
                     job.loader.close()
                 if attempt:
                     raise

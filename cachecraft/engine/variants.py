@@ -65,6 +65,7 @@ def make_variants(
                 intra=(0.0,) * num_layers,
                 token_scores=(0.0,) * n,
                 cci=1.0,
+                is_exact=cp.is_exact,
             )
             out.append(Variant(meta, keys, values))
             continue
@@ -85,6 +86,7 @@ def make_variants(
             intra=intra,
             token_scores=tuple(scores.tolist()),
             cci=cci(inter, intra, sizes, n),
+            is_exact=cp.is_exact,
         )
         out.append(Variant(meta, keys, values))
     return out

@@ -1,18 +1,31 @@
 """Plan data: how a request's prompt is laid out and, per chunk, what is reused and recomputed.
 
-Pure data, torch-free. The planner (`planner.py`) makes a RecomputePlan; the runner executes it.
+Pure data, torch-free. The planner (`planner.py`, one function per mode in `modes.py`) makes a
+RecomputePlan; the runner splices and executes it without knowing which mode made it.
 
 Prompt layout (absolute positions):
 
     0            prefix_len   chunk 1        chunk k       question_start        num_tokens
     |-- prefix --|-- C_1 --|-- ... --|-- C_k --|-- question + template tail --|
+
+How a reused chunk's recomputed tokens are chosen (`ChunkPlan.select`):
+
+    "planned"    `recompute` holds them already (paper scores, first-k, random, none).
+    "probe"      `budget` of them, chosen after a probe pass by the attention the question rows
+                 give each token (`RecomputePlan.probe`; `selectors.select_by_question` fills
+                 `recompute` and the plan becomes "planned").
+    "deviation"  every token is computed up to the check layer, where the `budget` tokens whose
+                 K/V deviate most keep going (CacheBlend; `RecomputePlan.deviation`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from cachecraft.store.meta import VariantMeta
+
+Select = Literal["planned", "probe", "deviation"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,25 +78,34 @@ class PromptLayout:
 
 @dataclass(frozen=True, slots=True)
 class ChunkPlan:
-    """Per chunk: the variant reused (None = computed in full), the offsets recomputed.
+    """Per chunk: the variant reused (None = computed in full), what is recomputed and why.
 
-    recompute:   sorted offsets within the chunk (0..num_tokens-1) computed fresh. All of them
-                 when `variant` is None.
-    deviation_budget: for `cacheblend`, the runner picks this many tokens itself at the check
-                 layer (by K/V deviation); `recompute` is then empty.
-    last_layer:  None = recompute through every layer; otherwise stop after this layer.
+    recompute: sorted offsets within the chunk (0..num_tokens-1) computed fresh; all of them
+               when `variant` is None; filled later when `select` is "probe".
+    budget:    tokens this chunk recomputes (`len(recompute)` once planned; the check layer's
+               keep count for "deviation").
+    reason:    why this plan: "miss", "exact", "refresh" (stale variant recomputed in full),
+               "cfo" (budget from CFO), "given" (a caller's budget), "mode" (the mode's own
+               default), "none" (naive).
+    is_exact:  after the prefill this chunk's K/V equal a full prefill's (a miss after exact
+               chunks, or an exact variant in exactly its old context). A variant made from it
+               is exact.
+    error:     predicted error of reusing `variant` here (`variant_choice.predicted_error`).
     """
 
     slot: ChunkSlot
     variant: VariantMeta | None
     recompute: tuple[int, ...]
-    deviation_budget: int | None = None
-    last_layer: int | None = None
+    budget: int
+    reason: str
+    is_exact: bool = False
+    select: Select = "planned"
     cci: float | None = None
     beta: float | None = None
     gamma: float | None = None
     beta_adj: float | None = None
     cfo: float | None = None
+    error: float | None = None
 
     @property
     def is_hit(self) -> bool:
@@ -91,33 +113,111 @@ class ChunkPlan:
 
     @property
     def num_recompute(self) -> int:
-        if self.deviation_budget is not None:
-            return self.deviation_budget
-        return len(self.recompute)
+        """Tokens recomputed through the top layer (planned; the budget otherwise)."""
+        return len(self.recompute) if self.select == "planned" else self.budget
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this chunk adds to the forward at layer 0."""
+        if self.variant is None or self.select == "deviation":
+            return self.slot.num_tokens
+        return self.num_recompute
+
+    def rows(self) -> tuple[int, ...]:
+        """Absolute positions this chunk computes at layer 0 (needs a planned selection)."""
+        if self.variant is None or self.select == "deviation":
+            return tuple(range(self.slot.start, self.slot.end))
+        if self.select == "probe":
+            raise ValueError("the chunk's tokens are chosen by the probe: resolve the plan first")
+        return tuple(self.slot.start + t for t in self.recompute)
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyExit:
+    """After `layer`, reused chunks whose share of the question's attention to all chunks is
+    below `threshold` stop being recomputed (cache-craft.md §4)."""
+
+    layer: int
+    threshold: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeviationCheck:
+    """CacheBlend's check: at `layer`, keep the tokens whose fresh K/V deviate most from the
+    cached ones: per chunk its `budget`, or (`total` set) the top `total` across all chunks."""
+
+    layer: int
+    total: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeCheck:
+    """A probe pass of the question rows over the spliced (unfixed) cache, before the prefill.
+
+    It measures, per reused chunk token, the attention the question rows give it (mean over
+    heads and rows, over layers first_layer..last_layer); its K/V writes go to a scratch copy.
+    `selectors.select_by_question` then spends `total` tokens (see there): "need" ranks
+    tokens by the chunk's predicted error x the token's question attention (unfocused chunks
+    get none), "global" by question attention alone (ProphetKV's one budget), "chunk" keeps
+    each chunk's planned budget.
+    blend: weight of the stored score s(t), added to the question attention (both scaled to
+    [0, 1] per chunk), so a zero stored score never zeroes a token's rank.
+    """
+
+    total: int
+    split: Literal["need", "global", "chunk"]
+    first_layer: int
+    last_layer: int
+    focus_threshold: float = 0.0
+    blend: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class RecomputePlan:
     """What the runner must do for one request.
 
-    prefix_cached: leading positions whose K/V come exactly from the prefix cache (the system
-                   prefix; in `prefix` mode also the leading chunks whose variant was computed
-                   after exactly the same prefix and chunks). Chunk plans for those chunks have
-                   the variant set and `recompute == ()`.
-    et_layer / focus_threshold: adaptive early termination (None = off).
+    prefix_hit:    the system prefix's K/V come from the exact prefix cache (the planner was
+                   told it holds them); otherwise its rows are computed.
+    make_variants: chunks computed in full are offered to the store as variants, and a
+                   computed prefix to the prefix cache (off for `full`, the reference).
+    early_exit / deviation / probe: in-forward checks (None = off).
     """
 
     mode: str
     layout: PromptLayout
     chunks: tuple[ChunkPlan, ...]
-    prefix_cached: int
-    et_layer: int | None = None
-    focus_threshold: float | None = None
-    cacheblend_check_layer: int | None = None
+    prefix_hit: bool
+    make_variants: bool = True
+    early_exit: EarlyExit | None = None
+    deviation: DeviationCheck | None = None
+    probe: ProbeCheck | None = None
 
     @property
-    def num_planned_compute(self) -> int:
-        """Positions computed (question included), before early termination."""
+    def is_resolved(self) -> bool:
+        """Every chunk's rows are known (no probe pending)."""
+        return all(c.select != "probe" for c in self.chunks)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the prefill computes at layer 0 (question and uncached prefix included)."""
+        prefix = 0 if self.prefix_hit else self.layout.prefix_len
         question = len(self.layout.question_ids)
-        uncached_prefix = max(0, self.layout.prefix_len - self.prefix_cached)
-        return uncached_prefix + question + sum(c.num_recompute for c in self.chunks)
+        return prefix + question + sum(c.num_rows for c in self.chunks)
+
+    @property
+    def num_probe_rows(self) -> int:
+        """Rows of the probe pass: the question, and the prefix when it is not cached; 0
+        without a probe."""
+        if self.probe is None:
+            return 0
+        prefix = 0 if self.prefix_hit else self.layout.prefix_len
+        return prefix + len(self.layout.question_ids)
+
+    def rows(self) -> tuple[int, ...]:
+        """Absolute positions computed at layer 0, ascending (needs a resolved plan)."""
+        layout = self.layout
+        out: list[int] = [] if self.prefix_hit else list(range(layout.prefix_len))
+        for c in self.chunks:
+            out.extend(c.rows())
+        out.extend(range(layout.question_start, layout.num_tokens))
+        return tuple(out)

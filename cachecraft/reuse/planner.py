@@ -1,167 +1,35 @@
-"""The planner: turn a PromptLayout and the stored variants of its chunks into a RecomputePlan.
+"""The planner: the one entry point that turns a PromptLayout, the stored variants of its
+chunks and the prefix cache's state into a RecomputePlan, plus the edits a plan may need
+before it runs (a variant vanished, the prefix cache dropped its entry, the probe's result).
 
-Owns the per-mode decision (which variant each chunk reuses, which offsets are recomputed) for
-every mode in config.MODES (cache-craft.md §3, §6). Pure Python: no torch, no store access; the
-caller passes the variants it fetched.
+Every mode's logic is one function in `modes.py`; token selectors live in `selectors.py`,
+variant scoring in `variant_choice.py`. Pure Python: no torch, no store access.
 """
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from dataclasses import replace
 
 from cachecraft.config import MODES, ReuseConfig
-from cachecraft.reuse.plan import ChunkPlan, ChunkSlot, PromptLayout, RecomputePlan
-from cachecraft.reuse.stats import cache_fix_overhead, order_penalty, prefix_overlap, top_tokens
+from cachecraft.reuse.modes import MODE_PLANNERS, PlanInput, fix_count, mark_exact, miss
+from cachecraft.reuse.plan import PromptLayout, RecomputePlan
+from cachecraft.reuse.selectors import select_by_question
+from cachecraft.reuse.variant_choice import VariantScore, choose_variant, score_variant
 from cachecraft.store.meta import VariantMeta
 
-
-class VariantScore(NamedTuple):
-    """One variant scored for one place in a new prompt."""
-
-    variant: VariantMeta
-    beta: float
-    gamma: float
-    beta_adj: float
-    cfo: float
-
-
-def score_variant(variant: VariantMeta, s_new: Sequence[str], config: ReuseConfig) -> VariantScore:
-    """beta, gamma, beta' and CFO of reusing `variant` after the chunks `s_new` (cache-craft §3)."""
-    beta = prefix_overlap(variant, s_new, config.empty_s_old)
-    gamma = order_penalty(variant.s_old, s_new)
-    old = set(variant.s_old)
-    has_novel_prefix = any(key not in old for key in s_new)
-    beta_adj, cfo = cache_fix_overhead(variant.cci, beta, gamma, config, has_novel_prefix)
-    return VariantScore(variant, beta, gamma, beta_adj, cfo)
-
-
-def choose_variant(
-    variants: Sequence[VariantMeta], s_new: Sequence[str], config: ReuseConfig
-) -> VariantScore | None:
-    """The variant with the lowest CFO (ties: largest beta', then the first); None if none."""
-    scores = [score_variant(v, s_new, config) for v in variants]
-    if not scores:
-        return None
-    return min(scores, key=lambda s: (s.cfo, -s.beta_adj))  # min keeps the first of equals
-
-
-def fix_count(cfo: float, num_tokens: int) -> int:
-    """N = ceil(CFO * |C|), with float noise (e.g. 0.3 * 10 = 3.0000000000000004) ignored."""
-    return min(max(math.ceil(cfo * num_tokens - 1e-9), 0), num_tokens)
-
-
-def _miss(slot: ChunkSlot) -> ChunkPlan:
-    return ChunkPlan(slot=slot, variant=None, recompute=tuple(range(slot.num_tokens)))
-
-
-def _hit(
-    slot: ChunkSlot,
-    score: VariantScore,
-    recompute: tuple[int, ...],
-    deviation_budget: int | None = None,
-) -> ChunkPlan:
-    return ChunkPlan(
-        slot=slot,
-        variant=score.variant,
-        recompute=recompute,
-        cci=score.variant.cci,
-        beta=score.beta,
-        gamma=score.gamma,
-        beta_adj=score.beta_adj,
-        cfo=score.cfo,
-        deviation_budget=deviation_budget,
-    )
-
-
-def _usable(slot: ChunkSlot, variants: Mapping[str, Sequence[VariantMeta]]) -> list[VariantMeta]:
-    # A variant of another size cannot be spliced in (its offsets and scores would not line up).
-    return [v for v in variants.get(slot.key, ()) if v.num_tokens == slot.num_tokens]
-
-
-def _plan_prefix(
-    layout: PromptLayout, variants: Mapping[str, Sequence[VariantMeta]], config: ReuseConfig
-) -> tuple[list[ChunkPlan], int]:
-    """Exact reuse of the leading chunks computed after this very prefix and chunks."""
-    plans: list[ChunkPlan] = []
-    prefix_cached = layout.prefix_len
-    matching = True
-    for i, slot in enumerate(layout.chunks):
-        s_new = tuple(c.key for c in layout.chunks[:i])
-        exact = None
-        if matching:
-            exact = next(
-                (
-                    v
-                    for v in _usable(slot, variants)
-                    if v.prefix_key == layout.prefix_key and v.s_old == s_new
-                ),
-                None,
-            )
-        if exact is None:
-            matching = False
-            plans.append(_miss(slot))
-            continue
-        score = score_variant(exact, s_new, config)._replace(cfo=0.0)
-        plans.append(_hit(slot, score, ()))
-        prefix_cached = slot.end
-    return plans, prefix_cached
-
-
-def _budget(mode: str, n: int, cfo: float, config: ReuseConfig, given: int | None) -> int:
-    """Tokens a baseline recomputes in a reused chunk of n tokens: `given`, else its default."""
-    if given is not None:
-        budget = given
-    elif mode == "epic":
-        budget = config.epic_k
-    elif mode == "cacheblend":
-        budget = math.ceil(config.cacheblend_ratio * n - 1e-9)
-    else:  # random: the same count cachecraft would recompute
-        budget = fix_count(cfo, n)
-    return min(max(budget, 0), n)
-
-
-def _plan_reused_chunk(
-    mode: str,
-    i: int,
-    slot: ChunkSlot,
-    score: VariantScore,
-    config: ReuseConfig,
-    budgets: Sequence[int | None] | None,
-) -> ChunkPlan:
-    n = slot.num_tokens
-    if mode == "naive":
-        return _hit(slot, score, ())
-    if mode == "cachecraft":
-        return _hit(slot, score, top_tokens(score.variant.token_scores, fix_count(score.cfo, n)))
-    given = budgets[i] if budgets is not None else None
-    budget = _budget(mode, n, score.cfo, config, given)
-    if mode == "random":
-        rng = random.Random(f"{config.seed}:{slot.key}:{i}")
-        return _hit(slot, score, tuple(sorted(rng.sample(range(n), budget))))
-    if mode == "epic":
-        return _hit(slot, score, tuple(range(budget)))
-    return _hit(slot, score, (), deviation_budget=budget)  # cacheblend
-
-
-def _plan_reuse(
-    mode: str,
-    layout: PromptLayout,
-    variants: Mapping[str, Sequence[VariantMeta]],
-    config: ReuseConfig,
-    budgets: Sequence[int | None] | None,
-) -> list[ChunkPlan]:
-    plans: list[ChunkPlan] = []
-    for i, slot in enumerate(layout.chunks):
-        s_new = tuple(c.key for c in layout.chunks[:i])
-        score = choose_variant(_usable(slot, variants), s_new, config)
-        if score is None:
-            plans.append(_miss(slot))
-        else:
-            plans.append(_plan_reused_chunk(mode, i, slot, score, config, budgets))
-    return plans
+__all__ = [
+    "VariantScore",
+    "as_miss",
+    "check_config",
+    "choose_variant",
+    "fix_count",
+    "matched_budgets",
+    "plan_request",
+    "resolve_probe",
+    "score_variant",
+    "without_prefix_hit",
+]
 
 
 def plan_request(
@@ -171,42 +39,76 @@ def plan_request(
     config: ReuseConfig,
     num_layers: int,
     budgets: Sequence[int | None] | None = None,
+    prefix_hit: bool = True,
 ) -> RecomputePlan:
     """Plan one request in `mode` (one of config.MODES).
 
     variants: chunk key -> its stored variants (a missing key means none). budgets: per chunk,
-    the token budget of random / epic / cacheblend (None entries fall back to the mode's default;
-    see `cachecraft_budgets`). A repeated chunk key is planned at each occurrence on its own.
+    a token budget for the reused chunks (None entries fall back to the mode's default; the
+    global modes, prophet and cacheblend_global, spend their sum; see `matched_budgets`).
+    prefix_hit: the exact prefix cache holds this prefix (its rows are then not computed).
+    A repeated chunk key is planned at each occurrence on its own.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
     if budgets is not None and len(budgets) != len(layout.chunks):
         raise ValueError(f"budgets has {len(budgets)} entries for {len(layout.chunks)} chunks")
-    et_layer = focus_threshold = check_layer = None
-    if mode == "full":
-        plans, prefix_cached = [_miss(slot) for slot in layout.chunks], 0
-    elif mode == "prefix":
-        plans, prefix_cached = _plan_prefix(layout, variants, config)
-    else:
-        plans = _plan_reuse(mode, layout, variants, config, budgets)
-        prefix_cached = layout.prefix_len
-    if mode == "cachecraft" and config.early_termination:
-        et_layer = config.et_layer if config.et_layer is not None else num_layers // 3
-        focus_threshold = config.focus_threshold
-    if mode == "cacheblend":
-        check_layer = config.cacheblend_check_layer
-    return RecomputePlan(
-        mode=mode,
-        layout=layout,
-        chunks=tuple(plans),
-        prefix_cached=prefix_cached,
-        et_layer=et_layer,
-        focus_threshold=focus_threshold,
-        cacheblend_check_layer=check_layer,
-    )
+    if num_layers < 1:
+        raise ValueError("num_layers must be >= 1")
+    check_config(config)
+    inp = PlanInput(layout, variants, config, num_layers, budgets, prefix_hit)
+    return MODE_PLANNERS[mode](inp)
 
 
-def cachecraft_budgets(plan: RecomputePlan) -> list[int | None]:
-    """Per chunk, the tokens `plan` recomputes for a reused chunk (None for a miss): pass a
-    cachecraft plan's budgets to random / epic / cacheblend to compare at the same budget."""
-    return [c.num_recompute if c.is_hit else None for c in plan.chunks]
+def check_config(config: ReuseConfig) -> None:
+    """Raise ValueError for reuse settings no mode can honour (a clear message, not a bad plan)."""
+    if config.beta_rule not in ("honest", "paper"):
+        raise ValueError(f"beta_rule must be 'honest' or 'paper', got {config.beta_rule!r}")
+    if config.probe_split not in ("need", "global", "chunk"):
+        raise ValueError(f"probe_split must be need, global or chunk, got {config.probe_split!r}")
+    if not 0.0 <= config.prefix_mismatch_penalty <= 1.0:
+        raise ValueError("prefix_mismatch_penalty must be in [0, 1]")
+    if not 0.0 <= config.prophet_ratio <= 1.0:
+        raise ValueError("prophet_ratio must be in [0, 1]")
+    if config.refresh_error is not None and config.refresh_error < 0.0:
+        raise ValueError("refresh_error must be >= 0 (or None: never refresh)")
+    if config.probe_blend < 0.0:
+        raise ValueError("probe_blend must be >= 0")
+
+
+def resolve_probe(
+    plan: RecomputePlan, attention: Sequence[Sequence[float] | None]
+) -> RecomputePlan:
+    """The plan with the probe's selection made (see selectors.select_by_question)."""
+    return select_by_question(plan, attention)
+
+
+def as_miss(plan: RecomputePlan, index: int) -> RecomputePlan:
+    """The plan with chunk `index` computed in full (its variant could not be loaded)."""
+    chunks = list(plan.chunks)
+    chunks[index] = miss(chunks[index].slot, "vanished")
+    return replace(plan, chunks=mark_exact(chunks, plan.layout))
+
+
+def without_prefix_hit(plan: RecomputePlan) -> RecomputePlan:
+    """The plan with the system prefix computed (the prefix cache no longer holds it)."""
+    return replace(plan, prefix_hit=False)
+
+
+def matched_budgets(plan: RecomputePlan, extra: int = 0) -> list[int | None]:
+    """Per chunk, the tokens `plan` recomputes in a reused chunk (None for a miss), to give
+    another mode the same budget. extra: tokens added on top (e.g. the probe's rows, so that a
+    mode without a probe may compute as many tokens in all), spread over the reused chunks in
+    proportion to their size, never past a chunk's size."""
+    out: list[int | None] = [c.num_recompute if c.is_hit else None for c in plan.chunks]
+    sizes = {i: c.slot.num_tokens for i, c in enumerate(plan.chunks) if c.is_hit}
+    got = dict.fromkeys(sizes, 0)
+    total = sum(sizes.values())
+    for k in range(max(extra, 0)):  # one token at a time to the chunk furthest below its share
+        open_ = [i for i in sizes if (out[i] or 0) < sizes[i]]
+        if not open_:
+            break
+        i = max(open_, key=lambda j: (sizes[j] * (k + 1) / total - got[j], -j))
+        out[i] = (out[i] or 0) + 1
+        got[i] += 1
+    return out

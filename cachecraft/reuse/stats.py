@@ -1,5 +1,5 @@
 """Reuse arithmetic of cache-craft.md §2-§3: CCI, prefix overlap (beta), order penalty (gamma),
-Cache Fix Overhead (CFO) and top-N token selection.
+Cache Fix Overhead (CFO). Token selection lives in `selectors.py`.
 
 Pure math on floats, ids and VariantMeta; no torch, no store access, no state.
 """
@@ -117,10 +117,3 @@ def cache_fix_overhead(
     if has_novel_prefix:
         cfo = min(max(cfo, config.novel_prefix_min_fix), config.max_fix)
     return beta_adj, _clamp(cfo, 0.0, 1.0)
-
-
-def top_tokens(scores: Sequence[float], n: int) -> tuple[int, ...]:
-    """Offsets of the n highest scores (ties: lower offset first), sorted ascending."""
-    n = min(max(n, 0), len(scores))
-    ranked = sorted(range(len(scores)), key=lambda t: (-scores[t], t))
-    return tuple(sorted(ranked[:n]))

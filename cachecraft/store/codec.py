@@ -45,6 +45,7 @@ def meta_from_json(text: str) -> VariantMeta:
         intra=tuple(d["intra"]),
         token_scores=tuple(d["token_scores"]),
         cci=d["cci"],
+        is_exact=bool(d.get("is_exact", False)),
     )
 
 

@@ -9,13 +9,18 @@ import hashlib
 from dataclasses import dataclass
 
 
-def variant_id_of(chunk_key: str, prefix_key: str, s_old: tuple[str, ...]) -> str:
+def variant_id_of(
+    chunk_key: str, prefix_key: str, s_old: tuple[str, ...], is_exact: bool = True
+) -> str:
     """Stable id of the variant of `chunk_key` computed after prefix `prefix_key` and the chunks
-    `s_old` (in order)."""
+    `s_old` (in order). An approximate variant (computed after reused, not exact, K/V) gets an
+    id of its own, so an exact one of the same context can still be stored beside it."""
     h = hashlib.blake2b(digest_size=16)
     h.update(chunk_key.encode() + b"\x01" + prefix_key.encode())
     for key in s_old:
         h.update(b"\x00" + key.encode())
+    if not is_exact:
+        h.update(b"\x02approximate")
     return h.hexdigest()
 
 
@@ -28,8 +33,11 @@ class VariantMeta:
     intra[l]:    the same mass on the chunk's own tokens (causal, m <= k).
     token_scores[t]: per token, mean over layers of its mass on all s_old chunks (ranks recompute).
     cci:         Cache Context Impact, in [0.5, 1).
-    prefix_key:  hash of the system-prefix token ids it was computed after; with s_old it makes
-                 the variant exact for a request with that same prefix and those leading chunks.
+    prefix_key:  hash of the system-prefix token ids it was computed after.
+    is_exact:    its K/V equal a full prefill of [prefix, s_old..., chunk]: it was computed in
+                 full after chunks that were themselves exact. Only then may it stand in for
+                 exact K/V (`prefix` mode); an approximate variant is still a fine reuse source.
+                 False for metadata stored before the flag existed.
     """
 
     chunk_key: str
@@ -42,10 +50,11 @@ class VariantMeta:
     intra: tuple[float, ...]
     token_scores: tuple[float, ...]
     cci: float
+    is_exact: bool = False
 
     @property
     def variant_id(self) -> str:
-        return variant_id_of(self.chunk_key, self.prefix_key, self.s_old)
+        return variant_id_of(self.chunk_key, self.prefix_key, self.s_old, self.is_exact)
 
     def inter_total(self) -> tuple[float, ...]:
         """inter summed over layers, one value per chunk of s_old."""

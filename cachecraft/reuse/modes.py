@@ -1,0 +1,304 @@
+"""One planning function per mode: PlanInput -> RecomputePlan. Pure Python, no torch.
+
+Shared rules: a chunk without a usable variant (none stored, or of another size) is a miss,
+computed in full; the system prefix comes from the exact prefix cache when it holds it; a chunk
+is exact when its K/V will equal a full prefill's (a miss after exact chunks, or an exact
+variant in exactly its old context), and only exact chunks make exact variants.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from cachecraft.config import ReuseConfig
+from cachecraft.reuse.plan import (
+    ChunkPlan,
+    ChunkSlot,
+    DeviationCheck,
+    EarlyExit,
+    ProbeCheck,
+    PromptLayout,
+    RecomputePlan,
+)
+from cachecraft.reuse.selectors import first_n, random_n, top_scored
+from cachecraft.reuse.variant_choice import VariantScore, choose_variant
+from cachecraft.store.meta import VariantMeta
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInput:
+    """Everything a mode needs. budgets: per chunk a caller's token budget (None entries: the
+    mode's default). prefix_hit: the exact prefix cache holds this layout's prefix."""
+
+    layout: PromptLayout
+    variants: Mapping[str, Sequence[VariantMeta]]
+    config: ReuseConfig
+    num_layers: int
+    budgets: Sequence[int | None] | None = None
+    prefix_hit: bool = True
+
+    def s_new(self, i: int) -> tuple[str, ...]:
+        return tuple(c.key for c in self.layout.chunks[:i])
+
+    def usable(self, i: int) -> list[VariantMeta]:
+        # A variant of another size cannot be spliced in (its offsets would not line up).
+        slot = self.layout.chunks[i]
+        return [v for v in self.variants.get(slot.key, ()) if v.num_tokens == slot.num_tokens]
+
+    def choose(self, i: int, rule: str | None = None) -> VariantScore | None:
+        sizes = [c.num_tokens for c in self.layout.chunks[:i]]
+        return choose_variant(
+            self.usable(i),
+            self.s_new(i),
+            self.config,
+            s_new_sizes=sizes,
+            prefix_key=self.layout.prefix_key,
+            rule=rule,
+        )
+
+    def given(self, i: int) -> int | None:
+        return None if self.budgets is None else self.budgets[i]
+
+    def given_total(self) -> int | None:
+        """Sum of the given budgets (None when no budget was given)."""
+        if self.budgets is None or all(b is None for b in self.budgets):
+            return None
+        return sum(b for b in self.budgets if b is not None)
+
+
+def fix_count(cfo: float, num_tokens: int) -> int:
+    """N = ceil(CFO * |C|), with float noise (e.g. 0.3 * 10 = 3.0000000000000004) ignored."""
+    return min(max(math.ceil(cfo * num_tokens - 1e-9), 0), num_tokens)
+
+
+def miss(slot: ChunkSlot, reason: str = "miss") -> ChunkPlan:
+    n = slot.num_tokens
+    return ChunkPlan(slot=slot, variant=None, recompute=tuple(range(n)), budget=n, reason=reason)
+
+
+def hit(
+    slot: ChunkSlot,
+    score: VariantScore,
+    recompute: tuple[int, ...],
+    reason: str,
+    *,
+    budget: int | None = None,
+    select: str = "planned",
+) -> ChunkPlan:
+    return ChunkPlan(
+        slot=slot,
+        variant=score.variant,
+        recompute=recompute,
+        budget=len(recompute) if budget is None else budget,
+        reason=reason,
+        select=select,  # type: ignore[arg-type]
+        cci=score.variant.cci,
+        beta=score.beta,
+        gamma=score.gamma,
+        beta_adj=score.beta_adj,
+        cfo=score.cfo,
+        error=score.error,
+    )
+
+
+def mark_exact(chunks: Sequence[ChunkPlan], layout: PromptLayout) -> tuple[ChunkPlan, ...]:
+    """Set is_exact: every chunk before is exact, and this one is a miss or an exact variant
+    made after this very prefix and these chunks (recomputed tokens over exact K/V stay exact)."""
+    out, exact_so_far = [], True
+    for i, c in enumerate(chunks):
+        s_new = tuple(x.slot.key for x in chunks[:i])
+        v = c.variant
+        own = v is None or (v.is_exact and v.prefix_key == layout.prefix_key and v.s_old == s_new)
+        exact_so_far = exact_so_far and own
+        out.append(replace(c, is_exact=exact_so_far))
+    return tuple(out)
+
+
+def _plan(inp: PlanInput, mode: str, chunks: Sequence[ChunkPlan], **checks) -> RecomputePlan:
+    return RecomputePlan(
+        mode=mode,
+        layout=inp.layout,
+        chunks=mark_exact(chunks, inp.layout),
+        prefix_hit=inp.prefix_hit,
+        **checks,
+    )
+
+
+def _per_chunk(
+    inp: PlanInput, mode: str, plan_hit: Callable[[int, ChunkSlot, VariantScore], ChunkPlan]
+) -> list[ChunkPlan]:
+    out = []
+    for i, slot in enumerate(inp.layout.chunks):
+        score = inp.choose(i)
+        out.append(miss(slot) if score is None else plan_hit(i, slot, score))
+    return out
+
+
+def _budget(inp: PlanInput, i: int, default: int) -> tuple[int, str]:
+    n = inp.layout.chunks[i].num_tokens
+    given = inp.given(i)
+    budget, reason = (default, "mode") if given is None else (given, "given")
+    return min(max(budget, 0), n), reason
+
+
+# ---- the modes --------------------------------------------------------------------------------
+
+
+def plan_full(inp: PlanInput) -> RecomputePlan:
+    """Everything computed; nothing read from or offered to any cache (the reference)."""
+    chunks = [miss(slot) for slot in inp.layout.chunks]
+    return replace(_plan(inp, "full", chunks), prefix_hit=False, make_variants=False)
+
+
+def plan_prefix(inp: PlanInput) -> RecomputePlan:
+    """Exact reuse only: the leading chunks whose exact variant was made after this very
+    prefix and these chunks; everything from the first mismatch on is computed."""
+    chunks: list[ChunkPlan] = []
+    matching = True
+    for i, slot in enumerate(inp.layout.chunks):
+        exact = None
+        if matching:
+            for v in inp.usable(i):
+                if v.is_exact and v.prefix_key == inp.layout.prefix_key and v.s_old == inp.s_new(i):
+                    score = choose_variant([v], inp.s_new(i), inp.config, rule="paper")
+                    assert score is not None
+                    exact = score._replace(cfo=0.0, error=0.0, is_exact_here=True)
+                    break
+        if exact is None:
+            matching = False
+            chunks.append(miss(slot))
+        else:
+            chunks.append(hit(slot, exact, (), "exact"))
+    return _plan(inp, "prefix", chunks)
+
+
+def plan_naive(inp: PlanInput) -> RecomputePlan:
+    """Every stored chunk reused as is (positions fixed), nothing recomputed."""
+    return _plan(inp, "naive", _per_chunk(inp, "naive", lambda i, s, sc: hit(s, sc, (), "none")))
+
+
+def plan_epic(inp: PlanInput) -> RecomputePlan:
+    """EPIC: the first epic_k tokens (or the given budget) of every reused chunk."""
+
+    def one(i: int, slot: ChunkSlot, score: VariantScore) -> ChunkPlan:
+        budget, reason = _budget(inp, i, inp.config.epic_k)
+        return hit(slot, score, first_n(slot.num_tokens, budget), reason)
+
+    return _plan(inp, "epic", _per_chunk(inp, "epic", one))
+
+
+def plan_random(inp: PlanInput) -> RecomputePlan:
+    """Random tokens, as many as cachecraft-paper's CFO would give (or the given budget)."""
+
+    def one(i: int, slot: ChunkSlot, score: VariantScore) -> ChunkPlan:
+        budget, reason = _budget(inp, i, fix_count(score.cfo, slot.num_tokens))
+        seed = f"{inp.config.seed}:{slot.key}:{i}"
+        return hit(slot, score, random_n(slot.num_tokens, budget, seed), reason)
+
+    return _plan(inp, "random", _per_chunk(inp, "random", one))
+
+
+def plan_cacheblend(inp: PlanInput) -> RecomputePlan:
+    """CacheBlend: every reused token runs to the check layer, where the ones whose K/V deviate
+    most keep going: per chunk its budget (cacheblend_ratio or given), or with
+    cacheblend_global the sum of those budgets over all reused chunks."""
+    config = inp.config
+
+    def one(i: int, slot: ChunkSlot, score: VariantScore) -> ChunkPlan:
+        default = math.ceil(config.cacheblend_ratio * slot.num_tokens - 1e-9)
+        budget, reason = _budget(inp, i, default)
+        return hit(slot, score, (), reason, budget=budget, select="deviation")
+
+    chunks = _per_chunk(inp, "cacheblend", one)
+    total = None
+    if config.cacheblend_global:
+        total = sum(c.budget for c in chunks if c.select == "deviation")
+        chunks = [replace(c, reason=c.reason + "+global") if c.is_hit else c for c in chunks]
+    check = DeviationCheck(min(config.cacheblend_check_layer, inp.num_layers - 1), total)
+    return _plan(inp, "cacheblend", chunks, deviation=check)
+
+
+def plan_cachecraft_paper(inp: PlanInput) -> RecomputePlan:
+    """The paper: the variant with the lowest CFO (paper beta), its top ceil(CFO x |C|) tokens
+    by stored score, early termination inside the forward."""
+    config = inp.config
+    chunks = []
+    for i, slot in enumerate(inp.layout.chunks):
+        score = inp.choose(i, rule="paper")
+        if score is None:
+            chunks.append(miss(slot))
+            continue
+        n = fix_count(score.cfo, slot.num_tokens)
+        chunks.append(hit(slot, score, top_scored(score.variant.token_scores, n), "cfo"))
+    early = None
+    if config.early_termination:
+        layer = config.et_layer if config.et_layer is not None else inp.num_layers // 3
+        early = EarlyExit(layer, config.focus_threshold)
+    return _plan(inp, "cachecraft-paper", chunks, early_exit=early)
+
+
+def _probe(inp: PlanInput, total: int, split: str, focus: float) -> ProbeCheck:
+    c = inp.config
+    top = inp.num_layers - 1
+    last = top if c.probe_last_layer is None else min(max(c.probe_last_layer, 0), top)
+    first = min(max(c.probe_first_layer, 0), last)
+    return ProbeCheck(total, split, first, last, focus, c.probe_blend)  # type: ignore[arg-type]
+
+
+def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
+    """Ours: the variant with the lowest predicted error (honest beta); a chunk whose best
+    predicted error is above refresh_error is computed in full (a fresh variant); CFO sets the
+    request's budget; a probe of the question picks the tokens (selectors.select_by_question)."""
+    config = inp.config
+    chunks = []
+    for i, slot in enumerate(inp.layout.chunks):
+        score = inp.choose(i)
+        if score is None:
+            chunks.append(miss(slot))
+        elif config.refresh_error is not None and score.error > config.refresh_error:
+            chunks.append(replace(miss(slot, "refresh"), error=score.error, cfo=score.cfo))
+        else:
+            budget, reason = _budget(inp, i, fix_count(score.cfo, slot.num_tokens))
+            reason = "cfo" if reason == "mode" else reason
+            chunks.append(hit(slot, score, (), reason, budget=budget, select="probe"))
+    probed = [c for c in chunks if c.select == "probe"]
+    if not probed:
+        return _plan(inp, "cachecraft", chunks)
+    total = sum(c.budget for c in probed)
+    focus = config.focus_threshold if config.early_termination else 0.0
+    probe = _probe(inp, total, config.probe_split, focus)
+    return _plan(inp, "cachecraft", chunks, probe=probe)
+
+
+def plan_prophet(inp: PlanInput) -> RecomputePlan:
+    """ProphetKV-style baseline: one budget for the request (prophet_ratio of the reused
+    tokens, or the sum of the given budgets), spent on the tokens the question attends to most,
+    wherever they are. Variants chosen as cachecraft chooses them."""
+    chunks = []
+    for i, slot in enumerate(inp.layout.chunks):
+        score = inp.choose(i)
+        if score is None:
+            chunks.append(miss(slot))
+        else:
+            chunks.append(hit(slot, score, (), "global", budget=0, select="probe"))
+    reused = sum(c.slot.num_tokens for c in chunks if c.is_hit)
+    if not reused:
+        return _plan(inp, "prophet", chunks)
+    given = inp.given_total()
+    total = fix_count(inp.config.prophet_ratio, reused) if given is None else min(given, reused)
+    return _plan(inp, "prophet", chunks, probe=_probe(inp, total, "global", 0.0))
+
+
+MODE_PLANNERS: dict[str, Callable[[PlanInput], RecomputePlan]] = {
+    "full": plan_full,
+    "prefix": plan_prefix,
+    "naive": plan_naive,
+    "cacheblend": plan_cacheblend,
+    "epic": plan_epic,
+    "random": plan_random,
+    "prophet": plan_prophet,
+    "cachecraft-paper": plan_cachecraft_paper,
+    "cachecraft": plan_cachecraft,
+}

@@ -1,0 +1,103 @@
+"""Token selectors: which offsets of a reused chunk are recomputed, and how a request's budget
+is split across its reused chunks. One function per selector; pure Python, no torch.
+
+* `top_scored`: the paper's selector, top-N by the stored score s(t).
+* `first_n`: EPIC, the chunk's first N tokens.
+* `random_n`: N distinct offsets from a seeded generator.
+* `select_by_question`: resolve a plan's probe: spend its budget on the tokens the question
+  rows attend to most (per chunk by need, or globally), optionally blended with s(t).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import replace
+
+from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
+
+
+def top_scored(scores: Sequence[float], n: int) -> tuple[int, ...]:
+    """Offsets of the n highest scores (ties: lower offset first), sorted ascending."""
+    n = min(max(n, 0), len(scores))
+    ranked = sorted(range(len(scores)), key=lambda t: (-scores[t], t))
+    return tuple(sorted(ranked[:n]))
+
+
+def first_n(num_tokens: int, n: int) -> tuple[int, ...]:
+    return tuple(range(min(max(n, 0), num_tokens)))
+
+
+def random_n(num_tokens: int, n: int, seed: str) -> tuple[int, ...]:
+    """n distinct offsets of 0..num_tokens-1, sorted; the same for the same seed string."""
+    rng = random.Random(seed)
+    return tuple(sorted(rng.sample(range(num_tokens), min(max(n, 0), num_tokens))))
+
+
+def _scaled(values: Sequence[float]) -> list[float]:
+    top = max(values, default=0.0)
+    return [v / top for v in values] if top > 0 else [0.0 for _ in values]
+
+
+def _ranking_scores(cp: ChunkPlan, attention: Sequence[float], blend: float) -> list[float]:
+    if blend <= 0 or cp.variant is None:
+        return list(attention)
+    att, stored = _scaled(attention), _scaled(cp.variant.token_scores)
+    return [a + blend * s for a, s in zip(att, stored, strict=True)]
+
+
+def select_by_question(
+    plan: RecomputePlan, attention: Sequence[Sequence[float] | None]
+) -> RecomputePlan:
+    """Resolve `plan`'s probe. attention[i]: per token of chunk i, the attention the question
+    rows gave it in the probe (None for chunks not probed).
+
+    split "need":   the top `probe.total` tokens of all probed chunks by (chunk's predicted
+                    error) x (token's question attention): a token is worth recomputing when
+                    the question reads it and its chunk's K/V are stale. Chunks whose share
+                    of the question's attention is below `probe.focus_threshold` get none
+                    (early termination, decided before the forward instead of inside it).
+    split "global": the top `probe.total` tokens by question attention alone (ProphetKV).
+    split "chunk":  each chunk its own planned budget, top tokens by question attention.
+    Returns the plan with every "probe" chunk planned (reason gains "+need" etc.).
+    """
+    probe = plan.probe
+    if probe is None:
+        return plan
+    if len(attention) != len(plan.chunks):
+        raise ValueError(f"attention has {len(attention)} entries for {len(plan.chunks)} chunks")
+    idx = [i for i, c in enumerate(plan.chunks) if c.select == "probe"]
+    att: dict[int, Sequence[float]] = {}
+    for i in idx:
+        a = attention[i]
+        if a is None or len(a) != plan.chunks[i].slot.num_tokens:
+            raise ValueError(f"chunk {i} needs one attention value per token")
+        att[i] = a
+    scores = {i: _ranking_scores(plan.chunks[i], att[i], probe.blend) for i in idx}
+    if probe.split == "chunk":
+        counts = {i: plan.chunks[i].budget for i in idx}
+    else:
+        weight = dict.fromkeys(idx, 1.0)
+        if probe.split == "need":
+            mass = {i: sum(att[i]) for i in idx}
+            total_mass = sum(mass.values())
+            for i in idx:
+                focus = mass[i] / total_mass if total_mass > 0 else 1.0 / len(idx)
+                stale = plan.chunks[i].error
+                stale = plan.chunks[i].cfo if stale is None else stale
+                weight[i] = (stale or 0.0) if focus >= probe.focus_threshold else 0.0
+        ranked = sorted(
+            ((i, t) for i in idx if weight[i] > 0 for t in range(len(scores[i]))),
+            key=lambda it: (-weight[it[0]] * scores[it[0]][it[1]], it[0], it[1]),
+        )
+        counts = dict.fromkeys(idx, 0)
+        for i, _ in ranked[: max(probe.total, 0)]:
+            counts[i] += 1
+    chunks = list(plan.chunks)
+    for i in idx:
+        picked = top_scored(scores[i], counts[i])
+        reason = f"{chunks[i].reason}+{probe.split}"
+        chunks[i] = replace(
+            chunks[i], recompute=picked, budget=len(picked), select="planned", reason=reason
+        )
+    return replace(plan, chunks=tuple(chunks))

@@ -1,0 +1,254 @@
+"""Plans of the v2 rules as pure data (no torch): honest beta with new chunks in front, the
+prefix-key penalty, exactness, refresh, the question probe's selection and the prophet mode.
+
+Layout as in test_planner: prefix (3) | chunks | question (2); sizes A 4, B 5, C 3, X 6, Y 6.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cachecraft.config import ReuseConfig
+from cachecraft.reuse.plan import ChunkSlot, PromptLayout, RecomputePlan
+from cachecraft.reuse.planner import plan_request, resolve_probe
+from cachecraft.reuse.variant_choice import choose_variant, honest_overlap
+from cachecraft.store.meta import VariantMeta
+
+SIZES = {"A": 4, "B": 5, "C": 3, "X": 6, "Y": 6}
+
+
+def layout(*keys: str, prefix: str = "P") -> PromptLayout:
+    start, slots = 3, []
+    for i, key in enumerate(keys):
+        ids = tuple(range(100 * (i + 1), 100 * (i + 1) + SIZES[key]))
+        slots.append(ChunkSlot(key=key, label=None, token_ids=ids, start=start))
+        start += SIZES[key]
+    return PromptLayout(prefix, (1, 2, 3), tuple(slots), (9, 9))
+
+
+def variant(key, s_old=(), inter=(), cci=0.8, prefix="P", exact=True, scores=None) -> VariantMeta:
+    inter = inter or tuple(1.0 for _ in s_old)
+    return VariantMeta(
+        chunk_key=key,
+        prefix_key=prefix,
+        s_old=tuple(s_old),
+        s_old_sizes=tuple(SIZES[k] for k in s_old),
+        num_tokens=SIZES[key],
+        num_layers=1,
+        inter=tuple((m,) for m in inter),
+        intra=(1.0,),
+        token_scores=scores or tuple(0.0 for _ in range(SIZES[key])),
+        cci=cci if s_old else 0.5,
+        is_exact=exact,
+    )
+
+
+def plan(mode, variants, lay, config=None, budgets=None) -> RecomputePlan:
+    return plan_request(lay, variants, mode, config or ReuseConfig(), 30, budgets)
+
+
+def test_modes_never_import_torch() -> None:
+    code = "import sys, cachecraft.reuse.modes, cachecraft.reuse.selectors; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---- honest beta and variant choice -------------------------------------------------------------
+
+
+def test_new_chunks_in_front_lower_honest_beta_but_not_paper_beta() -> None:
+    # B cached after (A) alone; reused after (X, Y, A): X, Y (12 tokens) were never in S_old.
+    v = variant("B", ("A",), (2.0,))
+    s_new, sizes = ("X", "Y", "A"), (6, 6, 4)
+    # paper: all of S_old's mass is still in front -> beta 1, CFO 0, nothing recomputed
+    paper = choose_variant([v], s_new, ReuseConfig(beta_rule="paper"))
+    assert paper.beta == 1.0 and paper.cfo == 0.0
+    # honest: 2.0 mass on 4 old tokens -> 0.5 per token -> 6.0 expected on 12 new tokens
+    assert honest_overlap(v, s_new, sizes, "safe") == pytest.approx(2.0 / (2.0 + 6.0))
+    honest = choose_variant([v], s_new, ReuseConfig(), s_new_sizes=sizes)
+    assert honest.beta == pytest.approx(0.25)
+    assert honest.error == pytest.approx(0.8 * 0.75) and honest.cfo == pytest.approx(0.3)
+
+
+def test_stale_variant_loses_to_one_with_more_context_in_front() -> None:
+    stale = variant("B", ("A",), cci=0.6)  # paper: beta 1 after (X, A), CFO 0 -> preferred
+    fresh = variant("B", ("X", "A"), cci=0.9, exact=False)
+    s_new, sizes = ("X", "A"), (6, 4)
+    assert choose_variant([stale, fresh], s_new, ReuseConfig(beta_rule="paper")).variant is stale
+    got = choose_variant([stale, fresh], s_new, ReuseConfig(), s_new_sizes=sizes)
+    assert got.variant is fresh and got.error == 0.0
+    assert not got.is_exact_here  # its K/V were made after reused chunks: right context only
+
+
+def test_prefix_key_mismatch_is_penalised() -> None:
+    same = variant("B", ("A",), cci=0.8)
+    other = variant("B", ("A",), cci=0.8, prefix="Q")
+    config = ReuseConfig(prefix_mismatch_penalty=0.5)
+    s_new = ("A",)
+    assert choose_variant([same], s_new, config, s_new_sizes=(4,), prefix_key="P").error == 0.0
+    got = choose_variant([other], s_new, config, s_new_sizes=(4,), prefix_key="P")
+    assert got.beta_adj == pytest.approx(0.5) and got.error == pytest.approx(0.4)
+    assert got.cfo == pytest.approx(0.5 * 0.8 * 0.5)
+    # listed first, the mismatched one still loses to the matching one
+    both = choose_variant([other, same], s_new, config, s_new_sizes=(4,), prefix_key="P")
+    assert both.variant is same
+
+
+def test_variant_choice_prefers_exact_at_equal_error() -> None:
+    approx = variant("B", ("A",), exact=False)
+    exact = variant("B", ("A",), exact=True)
+    got = choose_variant([approx, exact], ("A",), ReuseConfig(), s_new_sizes=(4,))
+    assert got.variant is exact and got.is_exact_here
+
+
+# ---- exactness ---------------------------------------------------------------------------------
+
+
+def test_exactness_follows_exact_context_only() -> None:
+    lay = layout("A", "B", "C")
+    variants = {"A": [variant("A")], "B": [variant("B", ("A",), exact=False)]}
+    p = plan("naive", variants, lay)
+    # A: exact variant at its exact place; B: right context but approximate K/V; C: a miss
+    # after an approximate chunk -> its K/V (and the variant made from them) are approximate.
+    assert [c.is_exact for c in p.chunks] == [True, False, False]
+    p = plan("prefix", variants, lay)
+    assert [c.is_hit for c in p.chunks] == [True, False, False]
+    assert [c.is_exact for c in p.chunks] == [True, True, True]
+
+
+def test_prefix_mode_never_uses_approximate_variants() -> None:
+    lay = layout("A", "B")
+    approx_a = variant("A", exact=False)
+    p = plan("prefix", {"A": [approx_a]}, lay)
+    assert not p.chunks[0].is_hit and p.chunks[0].is_exact
+    assert plan("naive", {"A": [approx_a]}, lay).chunks[0].is_hit  # other modes may reuse it
+
+
+def test_exact_and_approximate_variants_have_different_ids() -> None:
+    assert variant("A", exact=True).variant_id != variant("A", exact=False).variant_id
+
+
+# ---- cachecraft: refresh, probe, need ------------------------------------------------------------
+
+
+def test_refresh_computes_a_stale_chunk_in_full() -> None:
+    lay = layout("X", "B")
+    variants = {"B": [variant("B", ("A",), cci=0.9)]}  # after X instead of A: error 0.9
+    p = plan("cachecraft", variants, lay, ReuseConfig(refresh_error=0.5))
+    b = p.chunks[1]
+    assert b.variant is None and b.reason == "refresh" and b.error == pytest.approx(0.9)
+    assert b.recompute == tuple(range(5)) and p.probe is None
+    kept = plan("cachecraft", variants, lay, ReuseConfig(refresh_error=0.95)).chunks[1]
+    assert kept.is_hit and kept.select == "probe"
+
+
+def _att(p: RecomputePlan, per_chunk: dict[int, list[float]]) -> list:
+    return [per_chunk.get(i) if c.is_hit else None for i, c in enumerate(p.chunks)]
+
+
+def test_cachecraft_probe_spends_cfo_budget_by_need() -> None:
+    # A after (X) cached after (Y): beta 0; B after (X, A) cached after (C): beta 0.
+    lay = layout("X", "A", "B")
+    variants = {"A": [variant("A", ("Y",), cci=0.8)], "B": [variant("B", ("C",), cci=0.6)]}
+    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, focus_threshold=0.0))
+    a, b = p.chunks[1], p.chunks[2]
+    assert (a.select, b.select) == ("probe", "probe")
+    assert (a.budget, b.budget) == (4, 3)  # ceil(0.8 * 4), ceil(0.6 * 5)
+    assert p.probe is not None and p.probe.total == 7 and p.probe.split == "need"
+    assert p.num_rows == 6 + 7 + 2  # X in full, the budget, the question
+    with pytest.raises(ValueError, match="resolve"):
+        p.rows()
+    att = _att(p, {1: [0.0, 0.0, 0.1, 0.0], 2: [0.3, 0.2, 0.1, 0.05, 0.4]})
+    r = resolve_probe(p, att)
+    # priority = error x attention: A 0.8 x (0, 0, 0.1, 0) = 0.08 at offset 2; B 0.6 x att
+    # = (.18, .12, .06, .03, .24): B's five and A's 2 lead, then A's zeros by offset (A0).
+    assert r.chunks[1].recompute == (0, 2) and r.chunks[2].recompute == (0, 1, 2, 3, 4)
+    assert r.is_resolved and r.chunks[2].reason == "cfo+need"
+    att = _att(p, {1: [0.01, 0.0, 0.0, 0.0], 2: [0.9, 0.8, 0.7, 0.6, 0.5]})
+    r = resolve_probe(p, att)  # B is read much more: the budget moves there
+    assert r.chunks[2].recompute == (0, 1, 2, 3, 4) and len(r.chunks[1].recompute) == 2
+    assert r.num_rows == p.num_rows and len(r.rows()) == r.num_rows
+
+
+def test_unfocused_chunks_get_no_budget() -> None:
+    lay = layout("X", "A", "B")
+    variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",))]}
+    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, focus_threshold=0.2))
+    r = resolve_probe(p, _att(p, {1: [0.01] * 4, 2: [0.5] * 5}))  # A's share < 0.2
+    assert r.chunks[1].recompute == () and len(r.chunks[2].recompute) == 5
+    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, early_termination=False))
+    r = resolve_probe(p, _att(p, {1: [0.01] * 4, 2: [0.5] * 5}))
+    assert len(r.chunks[1].recompute) > 0
+
+
+def test_probe_blend_keeps_question_attention_when_stored_scores_are_zero() -> None:
+    lay = layout("X", "B")
+    variants = {"B": [variant("B", ("C",), scores=(0.0,) * 5)]}
+    config = ReuseConfig(alpha=0.4, probe_blend=1.0)  # ceil(0.4 * 0.8 * 5) = 2 tokens
+    p = plan("cachecraft", variants, lay, config)
+    r = resolve_probe(p, _att(p, {1: [0.1, 0.0, 0.5, 0.0, 0.3]}))
+    assert r.chunks[1].recompute == (2, 4)
+
+
+def test_probe_splits_chunk_and_global() -> None:
+    lay = layout("X", "A", "B")
+    variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("X",), cci=0.6)]}
+    att = {1: [0.9, 0.8, 0.0, 0.0], 2: [0.1, 0.1, 0.1, 0.2, 0.1]}
+    chunk = plan("cachecraft", variants, lay, ReuseConfig(probe_split="chunk"))
+    r = resolve_probe(chunk, _att(chunk, att))
+    assert [c.num_recompute for c in r.chunks[1:]] == [c.budget for c in chunk.chunks[1:]]
+    glob = plan("cachecraft", variants, lay, ReuseConfig(probe_split="global"))
+    total = glob.probe.total
+    r = resolve_probe(glob, _att(glob, att))
+    assert r.chunks[1].recompute == (0, 1)[: min(2, total)]
+    assert sum(c.num_recompute for c in r.chunks[1:]) == total
+
+
+def test_prophet_is_one_global_budget_of_question_attention() -> None:
+    lay = layout("X", "A", "B")
+    variants = {"A": [variant("A", ("X",))], "B": [variant("B", ("X", "A"))]}
+    p = plan("prophet", variants, lay, ReuseConfig(prophet_ratio=0.3))
+    assert p.probe is not None and p.probe.total == 3  # ceil(0.3 * 9)
+    assert p.probe.split == "global" and p.probe.focus_threshold == 0.0
+    r = resolve_probe(p, _att(p, {1: [0.0, 0.5, 0.0, 0.0], 2: [0.4, 0.0, 0.0, 0.0, 0.3]}))
+    assert r.chunks[1].recompute == (1,) and r.chunks[2].recompute == (0, 4)
+    given = plan("prophet", variants, lay, budgets=[None, 1, 0])
+    assert given.probe.total == 1
+    assert plan("prophet", {}, lay).probe is None  # nothing reused, nothing to probe
+
+
+def test_probe_layers_are_clamped() -> None:
+    lay = layout("X", "A")
+    variants = {"A": [variant("A", ("Y",))]}
+    p = plan("cachecraft", variants, lay, ReuseConfig(probe_first_layer=50, probe_last_layer=99))
+    assert (p.probe.first_layer, p.probe.last_layer) == (29, 29)
+    p = plan("cachecraft", variants, lay, ReuseConfig(probe_last_layer=9))
+    assert (p.probe.first_layer, p.probe.last_layer) == (0, 9)
+
+
+def test_resolve_rejects_attention_of_the_wrong_shape() -> None:
+    lay = layout("X", "A")
+    p = plan("cachecraft", {"A": [variant("A", ("Y",))]}, lay)
+    with pytest.raises(ValueError):
+        resolve_probe(p, [None])
+    with pytest.raises(ValueError):
+        resolve_probe(p, [None, [0.1, 0.2]])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"beta_rule": "magic"},
+        {"probe_split": "half"},
+        {"prefix_mismatch_penalty": 1.5},
+        {"prophet_ratio": -0.1},
+        {"refresh_error": -1.0},
+        {"probe_blend": -1.0},
+    ],
+)
+def test_bad_settings_are_clear_errors(bad: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        plan("cachecraft", {}, layout("A"), ReuseConfig(**bad))
