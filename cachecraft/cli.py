@@ -18,6 +18,7 @@ from cachecraft.env import set_passive_openmp
 
 set_passive_openmp()  # before anything imports torch (cachecraft/env.py says why)
 
+from cachecraft.bench.decode_bench import add_bench_decode_parser  # noqa: E402
 from cachecraft.bench.quality_cli import add_bench_quality_parser, add_calibrate_parser  # noqa: E402
 from cachecraft.bench.report_cli import add_bench_report_parser  # noqa: E402
 from cachecraft.bench.serve_cli import add_bench_serve_parser  # noqa: E402
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_quality_parser,
         add_bench_store_parser,
         add_bench_serve_parser,
+        add_bench_decode_parser,
         add_bench_report_parser,
     ):
         add(bench)

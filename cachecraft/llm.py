@@ -1,7 +1,7 @@
 """LLM: the offline API. `LLM(model).generate(requests, sampling, mode=...)` and `.precompute`.
 
-One request at a time through the Runner (the server's engine batches many); every mode goes
-through the same planner and runner.
+The server's engine plus a step loop (`engine.offline`): requests given together are batched
+as the server batches them, through the same planner, runner, scheduler and decode loop.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from cachecraft.config import ReuseConfig
-from cachecraft.engine.answer import answer
+from cachecraft.engine.engine import Engine, EngineConfig, RequestOptions
+from cachecraft.engine.offline import Submission, run_requests
 from cachecraft.engine.report import RequestReport
 from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
@@ -81,6 +82,7 @@ class LLM:
         elif isinstance(store, StoreConfig):
             store = make_store(store)
         self.runner = Runner(self.loaded, store, self.config)
+        self.engine = Engine(self.runner, EngineConfig(), caller_driven=True)
 
     @property
     def store(self) -> ChunkStore:
@@ -96,37 +98,36 @@ class LLM:
         teacher_force: list[list[int] | None] | None = None,
         keep_logits: bool = False,
     ) -> list[RequestOutput]:
-        """Answer each request in order. budgets[i] / teacher_force[i] go with requests[i]."""
+        """Answer the requests together, as the server would (a request sees the variants of
+        those whose prefill finished before its own started). budgets[i] / teacher_force[i]
+        go with requests[i]; outputs come back in request order."""
         items = [requests] if isinstance(requests, RagRequest) else list(requests)
         for r in items:
             if not isinstance(r, RagRequest):
                 raise BadRequestError(f"expected RagRequest, got {type(r).__name__}")
         sampling = sampling or SamplingParams()
-        outs = []
+        subs = []
         for i, request in enumerate(items):
-            b = budgets[i] if budgets else None
-            tf = teacher_force[i] if teacher_force else None
-            outs.append(self._one(request, sampling, mode, b, tf, keep_logits))
+            forced = teacher_force[i] if teacher_force else None
+            options = RequestOptions(tuple(forced or ())) if forced or keep_logits else None
+            subs.append(
+                Submission(request, sampling, mode, budgets[i] if budgets else None, options)
+            )
+        outs = []
+        for done in run_requests(self.engine, subs):
+            assert done.report is not None
+            extras = done.extras
+            outs.append(
+                RequestOutput(
+                    text=done.text,
+                    token_ids=done.token_ids,
+                    finish_reason=done.finish_reason,
+                    report=done.report,
+                    first_token_logits=extras.first_logits if extras and keep_logits else None,
+                    teacher_forced_logits=extras.forced_logits if extras else None,
+                )
+            )
         return outs
-
-    def _one(
-        self,
-        request: RagRequest,
-        sampling: SamplingParams,
-        mode: str,
-        budgets: list[int | None] | None,
-        forced: list[int] | None,
-        keep_logits: bool,
-    ) -> RequestOutput:
-        a = answer(self.runner, request, sampling, mode, budgets=budgets, forced=forced)
-        return RequestOutput(
-            text=a.text,
-            token_ids=a.token_ids,
-            finish_reason=a.finish_reason,
-            report=a.report,
-            first_token_logits=a.first_logits if keep_logits else None,
-            teacher_forced_logits=a.forced_logits,
-        )
 
     def precompute(
         self,
@@ -142,7 +143,7 @@ class LLM:
         for chunk in chunks:
             request = RagRequest(".", [*before, chunk], system=system, namespace=namespace)
             plan = self.runner.plan(request, "cachecraft", lookup=False)
-            job = self.runner.start(plan)
+            job = self.runner.start(plan, precompute=True)
             result = self.loaded.model.forward_step([job.work])[0]
             outcome = self.runner.finish(job, result)
             self.runner.commit(outcome)

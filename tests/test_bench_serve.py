@@ -13,7 +13,7 @@ from fake_openai import MODE_COMPUTED, serve_fake
 
 from cachecraft.bench import serve_bench
 from cachecraft.bench.item import WorkloadItem
-from cachecraft.bench.serve_bench import run_serve_bench, sustained_rate
+from cachecraft.bench.serve_bench import ramp_rates, run_serve_bench, sustained_rate
 from cachecraft.bench.serve_cli import add_bench_serve_parser, main_serve_bench
 from cachecraft.errors import CachecraftError
 from cachecraft.model.loader import resolve_model_dir
@@ -53,6 +53,37 @@ def test_sustained_rate_is_the_highest_rate_within_the_bound() -> None:
     assert sustained_rate(per_rate, rates, "prefix") is None
 
 
+def test_ramp_stops_at_the_first_saturated_rate_and_doubles_past_the_ladder() -> None:
+    seen: list[float] = []
+
+    def run_at(capacity: float):
+        def run(rate: float) -> dict:
+            seen.append(rate)
+            # past capacity a queue builds: latency grows and throughput stays at capacity
+            e2e = 100.0 if rate <= capacity else 1000.0
+            return _summary(e2e) | {"throughput_rps": min(rate, capacity), "offered_rps": rate}
+
+        return run
+
+    out = ramp_rates(run_at(1.0), [0.25, 0.5], max_runs=6, latency_bound=3.0)
+    assert seen == [0.25, 0.5, 1.0, 2.0] and list(out) == ["0.25", "0.5", "1", "2"]
+    seen.clear()
+    out = ramp_rates(run_at(100.0), [0.5], max_runs=3, latency_bound=3.0)
+    assert seen == [0.5, 1.0, 2.0]  # never saturated: stops after max_runs
+    seen.clear()
+    ramp_rates(run_at(0.1), [0.5, 1.0], max_runs=5, latency_bound=3.0)
+    assert seen == [0.5]  # saturated from the first run: it cannot keep up with the offer
+    seen.clear()
+
+    def slow_but_keeping_up(rate: float) -> dict:
+        seen.append(rate)
+        return _summary(100.0 * 4 * rate) | {"throughput_rps": rate, "offered_rps": rate}
+
+    out = ramp_rates(slow_but_keeping_up, [0.25, 1.0], max_runs=3, latency_bound=3.0)
+    assert seen == [0.25, 1.0, 2.0]  # past the latency bound at 1.0 but not yet saturated
+    assert out["1"]["e2e_ms_p50"] > 3.0 * out["0.25"]["e2e_ms_p50"]
+
+
 def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
     @contextmanager
     def fake_vllm() -> Iterator[SimpleNamespace]:
@@ -63,14 +94,16 @@ def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
     modes = ("full", "prefix", "cachecraft")
     result = run_serve_bench(
         {m: fake_url for m in modes},
+        modes=modes,
         peer="vllm",
-        rates=[8.0, 4.0],
+        rates=[2.0, 1.0],
         items=_items(),
         max_tokens=3,
         peer_server=fake_vllm,
+        max_runs=2,
     )
     assert json.loads(json.dumps(result)) == result  # JSON-clean
-    assert result["rates"] == [4.0, 8.0] and set(result["per_rate"]) == {"4", "8"}
+    assert result["rates"] == [1.0, 2.0] and set(result["per_rate"]) == {"1", "2"}
     for by_mode in result["per_rate"].values():
         assert set(by_mode) == {*modes, "vllm"}
         for mode in modes:
@@ -80,14 +113,19 @@ def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
         # the repeat hits the fake vLLM's prefix cache; a fresh salt per rate isolates runs
         cache = by_mode["vllm"]["prefix_cache"]
         assert 0 < cache["hits"] < cache["queries"] == by_mode["vllm"]["prompt_tokens"]
-    assert result["chosen_rate"] in (4.0, 8.0)
+    assert result["chosen_rate"] in (1.0, 2.0)
     at = result["modes"]
     assert at == result["per_rate"][serve_bench.rate_key(result["chosen_rate"])]
     cc, prefix, vllm = at["cachecraft"], at["prefix"], at["vllm"]
     expected = round(prefix["e2e_ms_p50"] / cc["e2e_ms_p50"], 3)
     assert result["e2e_p50_ratio_prefix_over_cachecraft"] == expected
-    expected = round(cc["throughput_rps"] / vllm["throughput_rps"], 3)
-    assert result["throughput_ratio_vs_vllm"] == expected
+    tput = result["max_throughput_rps"]
+    assert set(tput) == {*modes, "vllm"}
+    for m in tput:
+        runs = [result["per_rate"][r][m]["throughput_rps"] for r in ("1", "2")]
+        assert tput[m] == max(runs)
+        assert result["computed_tokens_per_s"][m] is not None
+    assert result["throughput_ratio_vs_vllm"] == round(tput["cachecraft"] / tput["vllm"], 3)
     for key in ("throughput_ratio_vs_prefix", "e2e_p50_ratio_vllm_over_cachecraft"):
         assert result[key] is not None
     assert result["vllm_prefix_cache"] == vllm["prefix_cache"]
@@ -103,8 +141,8 @@ def test_a_fresh_server_per_mode_from_the_factory(fake_url: str) -> None:
         started.append(mode)
         yield fake_url
 
-    result = run_serve_bench(start, rates=[10.0], items=_items()[:2], max_tokens=1)
-    assert started == ["full", "prefix", "cachecraft"]
+    result = run_serve_bench(start, rates=[10.0], items=_items()[:2], max_tokens=1, max_runs=1)
+    assert started == ["prefix", "cachecraft"]
     assert "throughput_ratio_vs_vllm" not in result and "vllm_prefix_cache" not in result
     with pytest.raises(CachecraftError, match="rates"):
         run_serve_bench(start, rates=[0.0], items=_items())

@@ -172,3 +172,20 @@ def test_build_workload_dispatch_and_errors(tmp_path):
         build_workload(str(tmp_path / "missing.jsonl"), 3)
     with pytest.raises(BadRequestError, match="unexpected keyword"):
         build_workload("synthetic", 3, colour="red")
+
+
+def test_wiki_qa_zipf_repeats_popular_questions_with_reordered_passages():
+    from collections import Counter
+
+    from cachecraft.bench.wiki_qa import wiki_qa_zipf
+
+    items = wiki_qa_zipf(30, seed=0, zipf_s=1.2, num_questions=10)
+    counts = Counter(it.request.question for it in items)
+    assert len(counts) <= 10 and counts.most_common(1)[0][1] >= 5  # Zipf: a hot question
+    hot = counts.most_common(1)[0][0]
+    runs = [[c.id for c in it.request.chunks] for it in items if it.request.question == hot]
+    assert all(len(r) == 5 and len(set(r)) == 5 for r in runs)
+    assert len({tuple(r) for r in runs}) > 1  # repeats come back in new orders / company
+    assert _signature(wiki_qa_zipf(30, seed=0, zipf_s=1.2, num_questions=10)) == _signature(items)
+    with pytest.raises(BadRequestError):
+        wiki_qa_zipf(3, zipf_s=-1.0)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachecraft.engine.generate import decode
-from cachecraft.engine.sampling import SamplingParams
+from cachecraft.bench.model_bench import greedy_tokens
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.kv import KVCache
 from cachecraft.model.loader import LoadedModel
@@ -35,8 +34,7 @@ def test_logits_match_hf_tiny(tiny: LoadedModel, tiny_hf) -> None:
 def _greedy_ours(m: LoadedModel, ids: torch.Tensor, n: int) -> list[int]:
     res, kv = _full(m, ids, "last")
     kv.ensure_capacity(len(ids) + n)
-    params = SamplingParams(max_tokens=n, ignore_eos=True)
-    return list(decode(m.model, kv, res.logits[-1], params))
+    return greedy_tokens(m, kv, res.logits[-1], n)
 
 
 def _greedy_hf(hf, ids: torch.Tensor, n: int) -> list[int]:
@@ -155,3 +153,53 @@ def test_bundled_logits_and_greedy_match_hf(bundled: LoadedModel) -> None:
         ref = hf(ids[None]).logits[0]
     assert (ours.logits - ref).abs().max() < 1e-3
     assert _greedy_ours(bundled, ids, 32) == _greedy_hf(hf, ids, 32)
+
+
+def test_batched_decode_equals_per_sequence_decode(tiny: LoadedModel) -> None:
+    """Greedy decode of three sequences of mixed context lengths, all in one step each time
+    (beside a partial prefill of a fourth), equals decoding each alone: tokens and logits."""
+    prompts = [_ids(n, seed=20 + n) for n in (9, 57, 130)]
+    steps = 6
+
+    def prefill(ids: torch.Tensor) -> tuple[KVCache, int]:
+        kv = KVCache(tiny.arch, len(ids) + steps, torch.float32, "cpu")
+        res = tiny.model.forward_step([SeqWork(kv, ids, torch.arange(len(ids)))])[0]
+        return kv, int(res.logits[-1].argmax())
+
+    alone_tokens, alone_logits = [], []
+    for ids in prompts:
+        kv, tok = prefill(ids)
+        toks, logits = [tok], []
+        for _ in range(steps):
+            pos = torch.tensor([kv.length])
+            out = tiny.model.forward_step([SeqWork(kv, torch.tensor([toks[-1]]), pos)])[0]
+            logits.append(out.logits[0])
+            toks.append(int(out.logits[0].argmax()))
+        alone_tokens.append(toks)
+        alone_logits.append(torch.stack(logits))
+
+    kvs, toks = zip(*(prefill(ids) for ids in prompts), strict=True)
+    tokens = [[t] for t in toks]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    other = _ids(40, seed=99)
+    other_kv = KVCache(tiny.arch, 40, torch.float32, "cpu")
+    for step in range(steps):
+        works = [
+            SeqWork(kv, torch.tensor([t[-1]]), torch.tensor([kv.length]))
+            for kv, t in zip(kvs, tokens, strict=True)
+        ]
+        if step < 2:  # a prefill in two parts shares the first two steps
+            rows = torch.arange(20 * step, 20 * step + 20)
+            works.insert(step, SeqWork(other_kv, other[rows], rows))
+        results = tiny.model.forward_step(works)
+        if step < 2:
+            results.pop(step)
+        for i, res in enumerate(results):
+            logits[i].append(res.logits[0])
+            tokens[i].append(int(res.logits[0].argmax()))
+    assert tokens == alone_tokens
+    for mine, ref in zip(logits, alone_logits, strict=True):
+        assert (torch.stack(mine) - ref).abs().max() < 1e-4
+    full, _ = _full(tiny, other, logits_for="last")
+    last = tiny.model.forward_step([SeqWork(other_kv, other[-1:], torch.tensor([39]))])[0]
+    assert (last.logits - full.logits).abs().max() < 1e-4

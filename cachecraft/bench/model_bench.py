@@ -1,6 +1,8 @@
 """`cachecraft bench model`: our prefill vs HF transformers' forward, side by side in one run.
 
-Also checks fidelity: max abs logit difference (fp32) and 32 greedy tokens vs HF `generate`.
+Also checks fidelity: max abs logit difference (fp32) and 32 greedy tokens vs HF `generate`,
+and the miss path: time to first token of a 5-chunk RAG request whose chunks all miss, in
+`cachecraft` and `prefix` mode over `full` (what statistics and bookkeeping cost a miss).
 Peak memory of one prefill is measured in a fresh subprocess per (implementation, length), so
 neither side inherits the other's freed allocations: `python -m cachecraft.bench.model_bench`.
 """
@@ -17,11 +19,12 @@ from typing import Any
 
 import torch
 
-from cachecraft.engine.generate import decode
-from cachecraft.engine.sampling import SamplingParams
 from cachecraft.model.kv import KVCache
 from cachecraft.model.loader import LoadedModel
 from cachecraft.model.step import SeqWork
+from cachecraft.request import Chunk, RagRequest
+
+MISS_MODES = ("full", "prefix", "cachecraft")
 
 
 def _prompt_ids(m: LoadedModel, n: int) -> torch.Tensor:
@@ -36,6 +39,17 @@ def _prompt_ids(m: LoadedModel, n: int) -> torch.Tensor:
 def _ours_prefill(m: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     kv = KVCache(m.arch, len(ids), m.model.dtype, m.model.device)
     return m.model.forward_step([SeqWork(kv, ids, torch.arange(len(ids)))])[0].logits
+
+
+def greedy_tokens(m: LoadedModel, kv: KVCache, first_logits: torch.Tensor, n: int) -> list[int]:
+    """n greedy tokens (EOS ignored) continuing the prompt in `kv`, one plain forward step
+    each: the naive reference our forward's tokens are checked with against HF."""
+    tokens = [int(first_logits.argmax())]
+    while len(tokens) < n:
+        pos = torch.tensor([kv.length])
+        step = m.model.forward_step([SeqWork(kv, torch.tensor(tokens[-1:]), pos)])[0]
+        tokens.append(int(step.logits[0].argmax()))
+    return tokens
 
 
 def _time(fn: Any, repeats: int) -> float:
@@ -88,6 +102,51 @@ def _peak_in_subprocess(kind: str, n: int, spec: str | None) -> int | None:
     return int(json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"])
 
 
+def _miss_request(m: LoadedModel, seed: int, chunk_tokens: int) -> RagRequest:
+    """Five chunks of about `chunk_tokens` tokens no store has seen (new words per seed)."""
+    chunks = []
+    for c in range(5):
+        words = " ".join(
+            f"Record {seed}.{c}.{i} says the value {seed * 7 + c * 3 + i} was logged."
+            for i in range(chunk_tokens)
+        )
+        ids = m.tokenizer(words, add_special_tokens=False)["input_ids"][:chunk_tokens]
+        chunks.append(Chunk(m.tokenizer.decode(ids), id=f"r{seed}-{c}"))
+    return RagRequest("Which value was logged first?", chunks)
+
+
+def miss_ttft(m: LoadedModel, repeats: int = 5, chunk_tokens: int = 200) -> dict[str, Any]:
+    """Median TTFT (plan, KV assembly, prefill, first token; commit excluded as the engine does
+    it after the token went out) per mode, each run on a fresh runner and store (nothing cached:
+    not the chunks, not the system prefix), modes interleaved request by request in a rotating
+    order (no mode always runs first after a new request's text)."""
+    from cachecraft.engine.runner import Runner
+    from cachecraft.store.memory import MemoryStore
+
+    def once(request: RagRequest, mode: str) -> float:
+        runner = Runner(m, MemoryStore(1 << 30))  # admits everything: statistics are collected
+        t0 = time.perf_counter()
+        _, outcome = runner.prefill(request, mode)
+        int(outcome.first_logits.argmax())
+        return time.perf_counter() - t0
+
+    once(_miss_request(m, -1, 32), "cachecraft")  # warm-up
+    times: dict[str, list[float]] = {mode: [] for mode in MISS_MODES}
+    for r in range(repeats):
+        request = _miss_request(m, r, chunk_tokens)
+        for i in range(len(MISS_MODES)):
+            mode = MISS_MODES[(r + i) % len(MISS_MODES)]
+            times[mode].append(once(request, mode))
+    ms = {mode: round(1000 * statistics.median(t), 1) for mode, t in times.items()}
+    return {
+        "ttft_ms": ms,
+        "miss_ttft_ratio": {
+            "cachecraft_over_full": round(ms["cachecraft"] / ms["full"], 3),
+            "prefix_over_full": round(ms["prefix"] / ms["full"], 3),
+        },
+    }
+
+
 def run_model_bench(
     m: LoadedModel, lengths: tuple[int, ...] = (512, 1024, 2048), repeats: int = 5
 ) -> dict[str, Any]:
@@ -105,8 +164,7 @@ def run_model_bench(
         ref_tokens = hf.generate(
             chat[None], max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None
         )[0, len(chat) :].tolist()
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
-    our_tokens = list(decode(m.model, kv, ours.logits[-1], params))
+    our_tokens = greedy_tokens(m, kv, ours.logits[-1], 32)
 
     rows = {}
     for n in lengths:
@@ -124,10 +182,13 @@ def run_model_bench(
             "ours_peak_mib": round(mem_ours / 2**20, 1),
             "hf_peak_mib": round(mem_hf / 2**20, 1),
         }
+    miss = miss_ttft(m, repeats)
     return {
         "model": m.name,
         "threads": torch.get_num_threads(),
         "repeats": repeats,
+        "miss_ttft_ms": miss["ttft_ms"],
+        "miss_ttft_ratio": miss["miss_ttft_ratio"],
         "max_abs_logit_diff": float((ours.logits - ref).abs().max()),
         "greedy_match": our_tokens == ref_tokens,
         "prefill_speedup_vs_hf": {k: v["speedup"] for k, v in rows.items()},

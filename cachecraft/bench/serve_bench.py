@@ -1,7 +1,8 @@
-"""`cachecraft bench serve`: the same open-loop Poisson RAG trace replayed per mode and rate against
-our server (and vLLM with prefix caching as the peer), with throughput, TTFT, e2e latency and the
-fraction of prompt tokens computed. Owns the orchestration and the report; our server is started
-by the factory the caller passes (the CLI passes `cachecraft.server.launch.start_server`).
+"""`cachecraft bench serve`: the same open-loop Poisson RAG trace replayed against our server per
+mode (and vLLM with prefix caching as the peer) at rising rates until each system saturates:
+maximum throughput, computed prompt tokens/s, and TTFT / e2e latency at the highest rate every
+system sustains. Owns the orchestration and the report; our server is started by the factory
+the caller passes (the CLI passes `cachecraft.server.launch.start_server`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ logger = logging.getLogger(__name__)
 ServerFactory = Callable[[str], AbstractContextManager[str]]
 """`start_server(mode)` -> a context manager yielding the base URL of a fresh server."""
 
-DEFAULT_MODES = ("full", "prefix", "cachecraft")
-DEFAULT_RATES = (0.1, 0.2, 0.4)
+DEFAULT_MODES = ("prefix", "cachecraft")
+DEFAULT_RATES = (0.15, 0.3)
+DEFAULT_MAX_RUNS = 4
+"""Runs per system: the ladder, then doubling, until saturation or this many."""
 PEERS = ("vllm",)
 
 
@@ -39,18 +42,79 @@ def sustained_rate(
     latency_bound: float = 3.0,
 ) -> float | None:
     """The highest rate at which `mode` completed everything (nothing rejected or failed) with
-    p50 e2e latency within `latency_bound` x its p50 at the lowest rate; None if none did."""
-    ordered = sorted(rates)
+    p50 e2e latency within `latency_bound` x its p50 at the lowest rate; None if none did.
+    Rates `mode` did not run (its ramp stopped below them) are skipped."""
+    ordered = [r for r in sorted(rates) if mode in per_rate.get(rate_key(r), {})]
+    if not ordered:
+        return None
     base = per_rate[rate_key(ordered[0])][mode].get("e2e_ms_p50")
     best = None
     for rate in ordered:
-        s = per_rate[rate_key(rate)][mode]
-        e2e = s.get("e2e_ms_p50")
-        if s["num_rejected"] or s["num_errors"] or e2e is None or base is None:
-            continue
-        if e2e <= latency_bound * base:
+        if _sustains(per_rate[rate_key(rate)][mode], base, latency_bound):
             best = rate
     return best
+
+
+KEEP_UP = 0.85
+"""A run keeps up when its throughput is at least this share of the rate its trace offered
+(unsaturated, 16 requests whose service time is about the mean gap reach ~0.94)."""
+
+
+def _sustains(summary: Mapping[str, Any], base_e2e: float | None, latency_bound: float) -> bool:
+    """Everything completed, p50 e2e within `latency_bound` x the base run's, and the
+    throughput kept up with the offered rate (a run saturated from the start has a long queue
+    but no slower base to compare with)."""
+    e2e = summary.get("e2e_ms_p50")
+    if summary["num_rejected"] or summary["num_errors"] or e2e is None or base_e2e is None:
+        return False
+    offered = summary.get("offered_rps")
+    if offered and summary.get("throughput_rps", 0.0) < KEEP_UP * offered:
+        return False
+    return bool(e2e <= latency_bound * base_e2e)
+
+
+def _offered(trace: Sequence[Any]) -> float | None:
+    """The rate a trace actually offers: (n - 1) / last arrival (Poisson gaps vary)."""
+    span = trace[-1].arrival_s if trace else 0.0
+    return round((len(trace) - 1) / span, 4) if len(trace) > 1 and span > 0 else None
+
+
+def _saturated(summary: Mapping[str, Any], base_e2e: float | None, latency_bound: float) -> bool:
+    """The ramp stops here: requests failed, throughput fell behind the offered rate (the
+    system's capacity is reached, so this run measured it), or latency passed twice the
+    sustain bound (deep in the queue)."""
+    if summary["num_rejected"] or summary["num_errors"] or base_e2e is None:
+        return True
+    offered = summary.get("offered_rps")
+    if offered and summary.get("throughput_rps", 0.0) < KEEP_UP * offered:
+        return True
+    e2e = summary.get("e2e_ms_p50")
+    return e2e is None or e2e > 2 * latency_bound * base_e2e
+
+
+def ramp_rates(
+    run_at: Callable[[float], dict[str, Any]],
+    rates: Sequence[float],
+    max_runs: int,
+    latency_bound: float,
+) -> dict[str, dict[str, Any]]:
+    """Run `run_at(rate)` at rising rates until the system saturates (`_saturated`): first the
+    given ladder, then doubling the last rate, at most `max_runs` runs. Returns {rate key:
+    summary}; the last run is the saturated one unless `max_runs` ran out first. A run past
+    the latency bound but still keeping up does not stop the ramp: capacity is not reached."""
+    ladder = sorted(rates)
+    out: dict[str, dict[str, Any]] = {}
+    base: float | None = None
+    rate = ladder[0]
+    for i in range(max_runs):
+        rate = ladder[i] if i < len(ladder) else rate * 2.0
+        summary = run_at(rate)
+        out[rate_key(rate)] = summary
+        if base is None:
+            base = summary.get("e2e_ms_p50")
+        if _saturated(summary, base, latency_bound):
+            break
+    return out
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -70,6 +134,13 @@ def _server_context(start_server: ServerFactory | Mapping[str, str], mode: str) 
     return start_server(mode)
 
 
+def _with_rate(summary: dict[str, Any]) -> dict[str, Any]:
+    """Adds computed prompt tokens per second (over the run's makespan)."""
+    computed, span = summary.get("computed_tokens"), summary.get("makespan_s")
+    summary["computed_tokens_per_s"] = round(computed / span, 1) if computed and span else None
+    return summary
+
+
 def _run_ours(
     start_server: ServerFactory | Mapping[str, str],
     mode: str,
@@ -78,11 +149,11 @@ def _run_ours(
     seed: int,
     opts: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
-    out = {}
     with _server_context(start_server, mode) as base_url:
         warm = rag_trace(items[:1], None, seed, mode, 2, namespace=f"warmup-{mode}")
         _warm_up(base_url, warm)
-        for rate in rates:
+
+        def run_at(rate: float) -> dict[str, Any]:
             # a namespace per (mode, rate, seed): every run starts from an empty chunk cache
             trace = rag_trace(
                 items,
@@ -94,9 +165,12 @@ def _run_ours(
                 ignore_eos=opts["ignore_eos"],
             )
             results = replay(trace, base_url, request_timeout_s=opts["request_timeout_s"])
-            out[rate_key(rate)] = summarize(results)
-            logger.info("%s @ %s rps: %s", mode, rate_key(rate), out[rate_key(rate)])
-    return out
+            summary = _with_rate(summarize(results))
+            summary["offered_rps"] = _offered(trace)
+            logger.info("%s @ %s rps: %s", mode, rate_key(rate), summary)
+            return summary
+
+        return ramp_rates(run_at, rates, opts["max_runs"], opts["latency_bound"])
 
 
 def _run_vllm(
@@ -111,12 +185,12 @@ def _run_vllm(
     from cachecraft.bench.peer_vllm import VllmServer, prefix_cache_stats
 
     make = peer_server or (lambda: VllmServer(opts.get("model_dir"), opts["peer_python"]))
-    out = {}
     with make() as srv:
         tokenizer = AutoTokenizer.from_pretrained(srv.model_dir)
         kw = {"tokenizer": tokenizer, "model": srv.model_name, "ignore_eos": opts["ignore_eos"]}
         _warm_up(srv.base_url, vllm_trace(items[:1], None, seed, max_tokens=2, **kw))
-        for rate in rates:
+
+        def run_at(rate: float) -> dict[str, Any]:
             before = prefix_cache_stats(srv.base_url)
             salt = f"bench-{rate_key(rate)}-{seed}"  # vLLM's per-request cache isolation
             trace = vllm_trace(
@@ -126,8 +200,11 @@ def _run_vllm(
             after = prefix_cache_stats(srv.base_url)
             summary = summarize(results)
             summary["prefix_cache"] = {k: int(after[k] - before[k]) for k in after}
-            out[rate_key(rate)] = summary
+            summary["offered_rps"] = _offered(trace)
             logger.info("vllm @ %s rps: %s", rate_key(rate), summary)
+            return _with_rate(summary)
+
+        out = ramp_rates(run_at, rates, opts["max_runs"], opts["latency_bound"])
         peer_info = {"name": "vllm", "startup_s": getattr(srv, "startup_s", None)}
     return out, peer_info
 
@@ -146,15 +223,21 @@ def run_serve_bench(
     request_timeout_s: float = 600.0,
     peer_python: str | None = None,
     peer_server: Callable[[], AbstractContextManager[Any]] | None = None,
+    max_runs: int = DEFAULT_MAX_RUNS,
 ) -> dict[str, Any]:
-    """Replay one Poisson trace (synthetic Zipf workload unless `items`) at each rate, per mode.
+    """Replay one Poisson trace (synthetic Zipf workload unless `items`) per system (each mode,
+    then the peer) at rising rates until the system saturates (`ramp_rates`).
 
-    `start_server` is a factory (a fresh server per mode) or a {mode: base URL} mapping. The
-    report's ratios are taken at `chosen_rate`, the highest rate prefix caching sustains.
-    `ignore_eos` makes every mode generate exactly `max_tokens`, so latencies compare prefill
-    work, not answer lengths. `peer_server` replaces the vLLM launcher (tests)."""
+    `start_server` is a factory (a fresh server per mode) or a {mode: base URL} mapping. Each
+    system's warm-up request is excluded. Reported: per system the maximum throughput it
+    reached (at saturation: its capacity) and its computed prompt tokens/s there; latencies at
+    `common_rate`, the highest rate every system sustained. `ignore_eos` makes every mode
+    generate exactly `max_tokens`, so latencies compare prefill work, not answer lengths.
+    `peer_server` replaces the vLLM launcher (tests)."""
     if not rates or any(r <= 0 for r in rates):
         raise CachecraftError(f"rates must be positive, got {list(rates)}")
+    if max_runs < 1:
+        raise CachecraftError(f"max_runs must be >= 1, got {max_runs}")
     if peer is not None and peer not in PEERS:
         raise CachecraftError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")
     if items is None:
@@ -170,6 +253,8 @@ def run_serve_bench(
         "ignore_eos": ignore_eos,
         "request_timeout_s": request_timeout_s,
         "peer_python": peer_python or ".peer-venv/bin/python",
+        "max_runs": max_runs,
+        "latency_bound": latency_bound,
     }
     per_mode = {m: _run_ours(start_server, m, items, rates, seed, opts) for m in modes}
     result: dict[str, Any] = {
@@ -181,47 +266,57 @@ def run_serve_bench(
             "max_tokens": max_tokens,
             "ignore_eos": ignore_eos,
             "latency_bound": latency_bound,
+            "max_runs": max_runs,
         },
-        "rates": rates,
     }
-    all_modes = list(modes)
+    systems = list(modes)
     if peer == "vllm":
         per_mode["vllm"], result["peer"] = _run_vllm(items, rates, seed, opts, peer_server)
-        all_modes.append("vllm")
-    per_rate = {rate_key(r): {m: per_mode[m][rate_key(r)] for m in all_modes} for r in rates}
-    result["per_rate"] = per_rate
-    result["sustained_rate"] = {
-        m: sustained_rate(per_rate, rates, m, latency_bound) for m in all_modes
+        systems.append("vllm")
+    ran = sorted({float(k) for runs in per_mode.values() for k in runs})
+    result["rates"] = ran
+    per_rate = {
+        rate_key(r): {m: per_mode[m][rate_key(r)] for m in systems if rate_key(r) in per_mode[m]}
+        for r in ran
     }
-    anchor = "prefix" if "prefix" in modes else all_modes[0]
-    chosen = result["sustained_rate"][anchor]
-    result["chosen_rate"] = chosen if chosen is not None else rates[0]
-    result["chosen_rate_is_sustained"] = chosen is not None
-    at = per_rate[rate_key(result["chosen_rate"])]
+    result["per_rate"] = per_rate
+    result["sustained_rate"] = {m: sustained_rate(per_rate, ran, m, latency_bound) for m in systems}
+    result["saturated"] = {
+        m: _saturated(
+            per_mode[m][max(per_mode[m], key=float)],
+            per_mode[m][min(per_mode[m], key=float)].get("e2e_ms_p50"),
+            latency_bound,
+        )
+        for m in systems
+    }
+    best = {m: max(per_mode[m].values(), key=lambda s: s["throughput_rps"]) for m in systems}
+    result["max_throughput_rps"] = {m: best[m]["throughput_rps"] for m in systems}
+    result["computed_tokens_per_s"] = {m: best[m].get("computed_tokens_per_s") for m in systems}
+    sustained = [result["sustained_rate"][m] for m in systems]
+    common = min(sustained) if all(r is not None for r in sustained) else None  # type: ignore[type-var]
+    result["common_rate"] = common if common is not None else rates[0]
+    result["common_rate_is_sustained"] = common is not None
+    result["chosen_rate"] = result["common_rate"]  # older name of the same rate
+    at = per_rate[rate_key(result["common_rate"])]
     result["modes"] = at
-    result.update(_ratios(at, per_mode))
+    result.update(_ratios(at, result["max_throughput_rps"]))
     return result
 
 
-def _ratios(
-    at: Mapping[str, Mapping[str, Any]],
-    per_mode: Mapping[str, Mapping[str, Mapping[str, Any]]],
-) -> dict[str, Any]:
+def _ratios(at: Mapping[str, Mapping[str, Any]], max_tput: Mapping[str, float]) -> dict[str, Any]:
+    """cachecraft over each other system: maximum throughput, and p50 e2e at the common rate."""
     out: dict[str, Any] = {}
     cc = at.get("cachecraft")
     if cc is None:
         return out
-
-    def max_tput(mode: str) -> float:
-        return max(s["throughput_rps"] for s in per_mode[mode].values())
-
     for other in ("prefix", "vllm"):
-        if other not in at:
+        if other not in max_tput:
             continue
-        o = at[other]
-        out[f"throughput_ratio_vs_{other}"] = _ratio(cc["throughput_rps"], o["throughput_rps"])
-        out[f"e2e_p50_ratio_{other}_over_cachecraft"] = _ratio(o["e2e_ms_p50"], cc["e2e_ms_p50"])
-        out[f"max_throughput_ratio_vs_{other}"] = _ratio(max_tput("cachecraft"), max_tput(other))
+        out[f"throughput_ratio_vs_{other}"] = _ratio(max_tput["cachecraft"], max_tput[other])
+        o = at.get(other, {})
+        out[f"e2e_p50_ratio_{other}_over_cachecraft"] = _ratio(
+            o.get("e2e_ms_p50"), cc["e2e_ms_p50"]
+        )
     if "vllm" in at:
         prompt, computed = cc.get("prompt_tokens"), cc.get("computed_tokens")
         out["vllm_prefix_cache"] = at["vllm"].get("prefix_cache")

@@ -9,6 +9,7 @@ import argparse
 import json
 
 from cachecraft.bench.serve_bench import (
+    DEFAULT_MAX_RUNS,
     DEFAULT_MODES,
     DEFAULT_RATES,
     PEERS,
@@ -32,16 +33,36 @@ def add_bench_serve_parser(
 ) -> argparse.ArgumentParser:
     """`server_factory(mode)` starts one of our servers per mode (tests pass a fake one)."""
     parser = subparsers.add_parser(
-        "serve", help="open-loop Poisson RAG trace per mode and rate (vLLM as the peer)"
+        "serve", help="open-loop Poisson RAG trace per mode, rates ramped to saturation (vs vLLM)"
     )
     parser.add_argument("--json", action="store_true", help="print the result dict as JSON")
     parser.add_argument("--peer", choices=PEERS, default=None, help="add a real peer as a mode")
     parser.add_argument(
-        "--rates", type=_parse_rates, default=list(DEFAULT_RATES), help="requests/s, e.g. 0.1,0.2"
+        "--rates",
+        type=_parse_rates,
+        default=list(DEFAULT_RATES),
+        help="first rates of the ramp, requests/s, e.g. 0.1,0.2 (then doubling)",
     )
-    parser.add_argument("--requests", type=int, default=20, help="requests per rate and mode")
+    parser.add_argument(
+        "--max-runs",
+        type=int,
+        default=DEFAULT_MAX_RUNS,
+        help="rates per system at most (the ramp stops earlier once a system saturates)",
+    )
+    parser.add_argument("--requests", type=int, default=16, help="requests per rate and mode")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=8, help="answer tokens (short)")
+    parser.add_argument(
+        "--workload",
+        choices=("wiki-qa", "synthetic"),
+        default="wiki-qa",
+        help="wiki-qa: FanOutQA questions with Zipf popularity over BM25 top-5 Wikipedia "
+        "passages; synthetic: Zipf chunk popularity (--chunk-tokens)",
+    )
+    parser.add_argument("--zipf", type=float, default=1.0, help="wiki-qa question popularity")
+    parser.add_argument(
+        "--questions", type=int, default=24, help="wiki-qa: distinct questions in the pool"
+    )
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="our modes, comma list")
     parser.add_argument("--peer-python", default=None, help="python of the peer venv")
     parser.add_argument(
@@ -53,12 +74,22 @@ def add_bench_serve_parser(
     return parser
 
 
-def main_serve_bench(args: argparse.Namespace) -> int:
+def _items(args: argparse.Namespace) -> list:
+    if args.workload == "wiki-qa":
+        from cachecraft.bench.wiki_qa import wiki_qa_zipf
+
+        return wiki_qa_zipf(
+            args.requests, seed=args.seed, zipf_s=args.zipf, num_questions=args.questions
+        )
     from cachecraft.bench.synthetic import parse_chunk_tokens, synthetic
 
-    items = synthetic(
+    return synthetic(
         args.requests, chunk_tokens=parse_chunk_tokens(args.chunk_tokens), seed=args.seed
     )
+
+
+def main_serve_bench(args: argparse.Namespace) -> int:
+    items = _items(args)
     result = run_serve_bench(
         args.server_factory,
         peer=args.peer,
@@ -69,7 +100,9 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         peer_python=args.peer_python,
         items=items,
+        max_runs=args.max_runs,
     )
+    result["config"]["workload"] = args.workload
     if args.json:
         print(json.dumps(result, indent=2))  # CLI output, not library logging
         return 0
@@ -84,6 +117,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         "TTFT p50/p95 ms",
         "e2e p50/p95 ms",
         "computed",
+        "computed tok/s",
         "rej/err",
     ):
         table.add_column(col, justify="right")
@@ -97,11 +131,16 @@ def main_serve_bench(args: argparse.Namespace) -> int:
                 f"{s['ttft_ms_p50']} / {s['ttft_ms_p95']}",
                 f"{s['e2e_ms_p50']} / {s['e2e_ms_p95']}",
                 "-" if frac is None else f"{frac:.3f}",
+                str(s.get("computed_tokens_per_s")),
                 f"{s['num_rejected']}/{s['num_errors']}",
             )
     console = Console()
     console.print(table)
-    console.print(f"chosen rate (highest prefix sustains): {result['chosen_rate']}")
+    for key in ("max_throughput_rps", "computed_tokens_per_s", "sustained_rate", "saturated"):
+        console.print(f"{key}: {result[key]}")
+    common = result["common_rate"]
+    note = "" if result["common_rate_is_sustained"] else " (not sustained by every system)"
+    console.print(f"highest rate every system sustains: {common}{note}")
     for key, value in result.items():
         if "ratio" in key or key in ("vllm_prefix_cache", "cachecraft_reused_tokens"):
             console.print(f"{key}: {value}")

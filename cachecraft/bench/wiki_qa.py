@@ -162,3 +162,50 @@ def wiki_qa(
             )
         )
     return items
+
+
+def wiki_qa_zipf(
+    num_requests: int,
+    k: int = 5,
+    seed: int = 0,
+    zipf_s: float = 1.0,
+    num_questions: int | None = None,
+    min_tokens: int = 100,
+    max_tokens: int = 300,
+) -> list[WorkloadItem]:
+    """A serving trace over wiki-qa: questions drawn with Zipf(`zipf_s`) popularity (a seeded
+    rank order over `num_questions` FanOutQA questions, all 310 by default). A question's first
+    draw gets its BM25 top-k passages in rank order; a repeat gets k of its top 2k in a shuffled
+    order (asked again, retrieved a little differently), so repeats reuse chunks at new
+    positions rather than whole prompts."""
+    if num_requests < 0 or k < 1 or zipf_s < 0:
+        raise BadRequestError("wiki-qa-zipf needs num_requests >= 0, k >= 1 and zipf_s >= 0")
+    questions = fanout_questions()
+    pool = len(questions) if num_questions is None else min(num_questions, len(questions))
+    if pool < 1:
+        raise BadRequestError("wiki-qa-zipf needs at least one question")
+    index = wiki_index(min_tokens, max_tokens)
+    rng = np.random.default_rng(seed)
+    by_rank = rng.permutation(len(questions))[:pool]
+    weights = 1.0 / np.arange(1, pool + 1) ** zipf_s
+    drawn = rng.choice(pool, size=num_requests, p=weights / weights.sum())
+    seen: dict[int, int] = {}
+    items: list[WorkloadItem] = []
+    for n, rank in enumerate(drawn.tolist()):
+        q = questions[int(by_rank[rank])]
+        times = seen.get(rank, 0)
+        seen[rank] = times + 1
+        if times == 0:
+            picked = retrieve(index, q, k)
+        else:
+            top = retrieve(index, q, 2 * k)
+            picked = rng.choice(top, size=min(k, len(top)), replace=False).tolist()
+        chunks = [Chunk(index.passages[i].text, index.passages[i].id) for i in picked]
+        items.append(
+            WorkloadItem(
+                id=f"{q.id}-z{n}",
+                request=RagRequest(q.question, chunks),
+                answers=q.answers or None,
+            )
+        )
+    return items

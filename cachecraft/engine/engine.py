@@ -1,9 +1,11 @@
-"""Engine: continuous batching of many requests over one Runner, on one step thread.
+"""Engine: continuous batching of many requests over one Runner, driven by one step loop.
 
 Per step: plan newly submitted requests (and prefetch their variants), let the Scheduler pick
 prefills and decodes, run ONE `forward_step` over all of them, sample, push events to each
 request's handle, commit new variants after the first tokens went out, free finished requests.
-Every tensor lives on the step thread; other threads only enqueue (submit, abort, call).
+The loop is the engine's own thread (`start`: the server) or the caller (`caller_driven`: the
+offline `LLM`, calling `step()`); either way every tensor lives on that one thread and other
+threads only enqueue (submit, abort, call).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from cachecraft.config import MODES
 from cachecraft.engine.handle import Failed, Finished, Planned, RequestHandle, Token
+from cachecraft.engine.options import RequestExtras, RequestOptions, StepStat, force_tokens
 from cachecraft.engine.request import SeqState
 from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner
 from cachecraft.engine.sampling import SamplingParams, make_generator, sample
@@ -84,13 +87,18 @@ class _Live:
     outcome: PrefillOutcome | None = None
     layout: PromptLayout | None = None
     """Tokenized before submit (off the step thread); None: tokenized when planned."""
+    options: RequestOptions | None = None
+    extras: RequestExtras | None = None
 
 
 class Engine:
     """Owns the runner and the step thread. `start()` before `submit`, `stop()` at the end."""
 
-    def __init__(self, runner: Runner, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, runner: Runner, config: EngineConfig | None = None, *, caller_driven: bool = False
+    ) -> None:
         self.runner = runner
+        self.caller_driven = caller_driven
         self.config = config or EngineConfig()
         c = self.config
         self.scheduler = Scheduler(c.token_budget, c.max_running, c.max_queue)
@@ -106,6 +114,7 @@ class Engine:
         self.num_steps = 0
         self.num_aborted = 0
         self.num_failed = 0
+        self.recent_steps: deque[StepStat] = deque(maxlen=4096)
 
     # ---- other threads ----------------------------------------------------------------------
     @property
@@ -118,6 +127,8 @@ class Engine:
 
     @property
     def is_alive(self) -> bool:
+        if self.caller_driven:
+            return not self._stopping
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def liveness(self) -> Liveness:
@@ -137,6 +148,7 @@ class Engine:
         budgets: list[int | None] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         layout: PromptLayout | None = None,
+        options: RequestOptions | None = None,
     ) -> RequestHandle:
         """Queue a request. Raises QueueFull (backpressure), BadRequestError (unknown mode) or
         EngineStopped; planning errors (context length, ...) arrive as a Failed event.
@@ -153,6 +165,7 @@ class Engine:
             sampling = sampling or SamplingParams()
             live = _Live(handle, request, sampling, mode, budgets, time.perf_counter())
             live.layout = layout
+            live.options = options
             self._inbox.append(live)
             self._wake.notify()
         return handle
@@ -174,7 +187,21 @@ class Engine:
             self._wake.notify()
         return future
 
+    def has_work(self) -> bool:
+        """Anything submitted, queued or running that a step would advance."""
+        with self._wake:
+            return bool(self._inbox or self._aborts or self._calls or self.scheduler.has_work())
+
+    def step(self) -> None:
+        """Caller-driven engines: take what was submitted since the last call and run one step
+        (the thread of a started engine does the same in its loop)."""
+        if not self.caller_driven:
+            raise RuntimeError("step() drives a caller_driven engine; this one has a thread")
+        self._advance(*self._take())
+
     def start(self) -> Engine:
+        if self.caller_driven:
+            raise RuntimeError("a caller_driven engine is stepped by its caller, not started")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cachecraft-engine", daemon=True)
             self._thread.start()
@@ -212,31 +239,45 @@ class Engine:
                     self._wake.wait()
                 if self._stopping:
                     break
-                inbox, self._inbox = list(self._inbox), deque()
-                aborts, self._aborts = self._aborts, {}
-                calls, self._calls = list(self._calls), deque()
-            self._busy_since = time.monotonic()
-            for fn, future in calls:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except BaseException as e:  # the caller gets it; the loop goes on
-                        future.set_exception(e)
-            for request_id, reason in aborts.items():
-                self._drop(request_id, reason)
-            for live in inbox:
-                reason = aborts.get(live.handle.request_id)
-                if reason is not None:
-                    self.num_aborted += reason == "abort"
-                    live.handle.push(Finished(reason, [], None))
-                else:
-                    self._admit_guarded(live)
-            try:
-                self._step()
-            except Exception:  # never let one bad step end the loop
-                log.exception("engine step failed")
-                self._fail_stuck()
-            self._busy_since = None
+            self._advance(*self._take())
+
+    def _take(self) -> tuple[list[_Live], dict[str, str], list[tuple[Callable[[], Any], Future]]]:
+        """What other threads queued since the last step (under the lock)."""
+        with self._wake:
+            inbox, self._inbox = list(self._inbox), deque()
+            aborts, self._aborts = self._aborts, {}
+            calls, self._calls = list(self._calls), deque()
+        return inbox, aborts, calls
+
+    def _advance(
+        self,
+        inbox: list[_Live],
+        aborts: dict[str, str],
+        calls: list[tuple[Callable[[], Any], Future]],
+    ) -> None:
+        """Run the queued calls, apply aborts, admit new requests, then one step."""
+        self._busy_since = time.monotonic()
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # the caller gets it; the loop goes on
+                    future.set_exception(e)
+        for request_id, reason in aborts.items():
+            self._drop(request_id, reason)
+        for live in inbox:
+            reason = aborts.get(live.handle.request_id)
+            if reason is not None:
+                self.num_aborted += reason == "abort"
+                live.handle.push(Finished(reason, [], None))
+            else:
+                self._admit_guarded(live)
+        try:
+            self._step()
+        except Exception:  # never let one bad step end the loop
+            log.exception("engine step failed")
+            self._fail_stuck()
+        self._busy_since = None
 
     def _shutdown(self) -> None:
         with self._wake:
@@ -278,7 +319,8 @@ class Engine:
         for attempt in range(2):
             live.plan = self._plan(live)
             try:
-                live.job = self.runner.start(live.plan, live.state.max_tokens, live.t_submit)
+                extra = live.state.max_tokens + len(live.options.forced if live.options else ())
+                live.job = self.runner.start(live.plan, extra, live.t_submit)
                 return
             except CorruptVariantError:
                 if attempt:
@@ -420,6 +462,7 @@ class Engine:
         if not works:
             return
         self.num_steps += 1
+        t_step = time.perf_counter()
         results = self._forward_isolated(works, order)
         outcomes: list[PrefillOutcome] = []
         for (rid, is_prefill), result in zip(order, results, strict=True):
@@ -434,12 +477,19 @@ class Engine:
                     self._fail(rid, e)
                     continue
                 live.outcome = outcome
-                outcomes.append(outcome)
+                if live.options is None or live.options.commit:
+                    outcomes.append(outcome)
                 self.scheduler.prefilled(rid)
                 logits = outcome.first_logits
             else:
                 logits = result.logits[0]
             self._sample_emit(rid, logits)
+            if is_prefill and live.options is not None and rid in self._live:
+                self._extras(live)  # after the first token: off the TTFT path
+        num_prefills = len(works) - len(out.decode_ids)
+        prefill_rows = sum(int(w.positions.shape[0]) for w in works[:num_prefills])
+        ms = 1000 * (time.perf_counter() - t_step)
+        self.recent_steps.append(StepStat(num_prefills, prefill_rows, len(out.decode_ids), ms))
         for outcome in outcomes:  # off the time-to-first-token path
             self._commit_guarded(outcome)
 
@@ -458,7 +508,8 @@ class Engine:
             self.scheduler.finish(state.request_id, reason)
             self._live.pop(state.request_id, None)
             report = live.outcome.report if live.outcome is not None else None
-            live.handle.push(Finished(reason, list(state.output_ids), report))
+            extras = self._extras(live, at_end=True)
+            live.handle.push(Finished(reason, list(state.output_ids), report, extras))
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         live = self._drop(request_id, None)
@@ -476,5 +527,27 @@ class Engine:
             self.num_aborted += reason == "abort"
             out = list(live.state.output_ids) if live.state else []
             report = live.outcome.report if live.outcome is not None else None
-            live.handle.push(Finished(reason, out, report))
+            extras = self._extras(live, at_end=True)
+            live.handle.push(Finished(reason, out, report, extras))
         return live
+
+    def _extras(self, live: _Live, at_end: bool = False) -> RequestExtras | None:
+        """Fill what `live.options` asked for: teacher forcing of `forced` once the prompt is
+        in (before any decode step writes after it), of the output itself at the end."""
+        opts, job, outcome = live.options, live.job, live.outcome
+        if opts is None or job is None or outcome is None or live.state is None:
+            return None
+        model = self.runner.loaded.model
+        if live.extras is None:
+            live.extras = RequestExtras(
+                job.plan, job.rows, outcome.rows_last_layer, outcome.first_logits
+            )
+            if opts.forced:
+                live.extras.forced_logits = force_tokens(model, job.kv, outcome, list(opts.forced))
+        if at_end and opts.force_answer and live.state.output_ids:
+            output = list(live.state.output_ids)
+            live.extras.forced_logits = force_tokens(model, job.kv, outcome, output)
+        return live.extras
+
+
+__all__ = ["Engine", "EngineConfig", "EngineStopped", "RequestExtras", "RequestOptions", "StepStat"]

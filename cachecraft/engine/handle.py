@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import queue
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from cachecraft.engine.report import RequestReport
 
@@ -32,6 +32,8 @@ class Finished(NamedTuple):
     """stop, length or abort."""
     output_ids: list[int]
     report: RequestReport | None
+    extras: Any = None
+    """`engine.RequestExtras` when the request asked for logits or teacher forcing."""
 
 
 class Failed(NamedTuple):
@@ -69,6 +71,15 @@ class RequestHandle:
     async def next_event(self) -> Event:
         assert self._async_q is not None, "submit with a loop to read events asynchronously"
         event = await self._async_q.get()
+        self.is_done = self.is_done or isinstance(event, Finished | Failed)
+        return event
+
+    def poll(self) -> Event | None:
+        """The next event if one is waiting, else None (never blocks; threads only)."""
+        try:
+            event = self._sync_q.get_nowait()
+        except queue.Empty:
+            return None
         self.is_done = self.is_done or isinstance(event, Finished | Failed)
         return event
 

@@ -4,8 +4,9 @@ plan(request, mode)  -> RecomputePlan            (store metadata + prefix cache 
 start(plan)          -> PrefillJob (KV spliced: prefix cache + moved chunk K/V; the probe
                         pass if the plan has one, which fixes the plan's rows; SeqWork)
 model.forward_step([job.work, ...])              (one or many jobs batched by the engine)
-finish(job, result)  -> PrefillOutcome (first-token logits, report, new variants)
-commit(outcome)      -> variants offered to the store, off the time-to-first-token path
+finish(job, result)  -> PrefillOutcome (first-token logits, report)
+commit(outcome)      -> new variants assembled and offered to the store, the prefix cached:
+                        after the first token went out (off the time-to-first-token path)
 """
 
 from __future__ import annotations
@@ -50,19 +51,27 @@ class PrefillJob:
     t_start: float
     early_exit: EarlyTermination | None = None
     loader: LayerLoader | None = None
+    stat_chunks: tuple[int, ...] = ()
+    """Chunk indexes whose rows collect attention statistics (they become variants)."""
     probe_rows: int = 0
     """Rows the probe pass computed before the prefill (0: no probe ran)."""
 
 
 @dataclass(slots=True)
 class PrefillOutcome:
+    """first_logits [vocab]; job and result stay until `Runner.variants` assembled the new
+    variants from them (the job's KV must not be rewritten at prompt positions before)."""
+
     first_logits: torch.Tensor
     report: RequestReport
-    variants: list[Variant] = field(default_factory=list)
     hits: list[tuple[str, float]] = field(default_factory=list)
     misses: list[str] = field(default_factory=list)
     rows_last_layer: torch.Tensor | None = None
     """Per computed row (PrefillJob.rows), the last layer it ran through."""
+    job: PrefillJob | None = None
+    result: SeqResult | None = None
+    variants: list[Variant] = field(default_factory=list)
+    is_assembled: bool = False
 
 
 class Runner:
@@ -111,9 +120,19 @@ class Runner:
         return build_layout(request, m.tokenizer, m.fingerprint, m.arch.max_position_embeddings)
 
     # ---- KV assembly ----------------------------------------------------------------------
-    def start(self, plan: RecomputePlan, extra_capacity: int = 0, t_start: float | None = None):
+    def start(
+        self,
+        plan: RecomputePlan,
+        extra_capacity: int = 0,
+        t_start: float | None = None,
+        *,
+        precompute: bool = False,
+    ) -> PrefillJob:
         """Splice the KV, run the plan's probe (if any), build the SeqWork. A variant that
-        cannot be loaded becomes a miss; a prefix the cache dropped is computed."""
+        cannot be loaded becomes a miss; a prefix the cache dropped is computed.
+
+        Statistics are collected only for missed chunks the store would admit (`precompute`:
+        for every chunk, whatever the store would say)."""
         t0 = time.perf_counter() if t_start is None else t_start
         m, layout = self.loaded, plan.layout
         kv = KVCache(m.arch, layout.num_tokens + extra_capacity, m.model.dtype, m.model.device)
@@ -142,7 +161,7 @@ class Runner:
         if loader.num_readers and not probe_rows:
             work.before_layer = loader.fill_layer
         job = PrefillJob(plan, kv, work, positions, t0, loader=loader, probe_rows=probe_rows)
-        self._add_stats(job)
+        self._add_stats(job, precompute)
         self._add_hooks(job)
         return job
 
@@ -158,11 +177,20 @@ class Runner:
         loader.add(reader, cp.slot.start, cp.slot.end)
         return True
 
-    def _add_stats(self, job: PrefillJob) -> None:
-        """Attention statistics for chunks computed in full: they become variants."""
+    def _add_stats(self, job: PrefillJob, precompute: bool) -> None:
+        """Attention statistics for chunks computed in full that will become variants; `full`
+        and `prefix` (which reuses only exact variants) never read them."""
         plan, layout = job.plan, job.plan.layout
-        misses = [cp for cp in plan.chunks if cp.variant is None]
-        if not plan.make_variants or not misses:
+        if not plan.make_variants or plan.mode == "prefix":
+            return
+        picked = tuple(
+            i
+            for i, cp in enumerate(plan.chunks)
+            if cp.variant is None and (precompute or self.store.would_admit(cp.slot.key))
+        )
+        job.stat_chunks = picked
+        misses = [plan.chunks[i] for i in picked]
+        if not misses:
             return
         bounds = [(0, layout.prefix_len)]
         bounds += [(cp.slot.start, cp.slot.end) for cp in plan.chunks]
@@ -231,16 +259,34 @@ class Runner:
             prefix_cached=layout.prefix_len if plan.prefix_hit else 0,
             probe_tokens=job.probe_rows,
         )
-        variants = []
-        if plan.make_variants:
-            rope = self.loaded.model.rope
-            variants = make_variants(plan, job.rows, job.kv, result, rope, self.storage_dtype)
-            if not plan.prefix_hit:
-                p = layout.prefix_len
-                self.prefix_cache.put(
-                    layout.prefix_key, job.kv.k[:, :, :p].clone(), job.kv.v[:, :, :p].clone()
-                )
-        return PrefillOutcome(result.logits[-1], report, variants, hits, misses, last)
+        return PrefillOutcome(result.logits[-1], report, hits, misses, last, job, result)
+
+    def variants(self, outcome: PrefillOutcome) -> list[Variant]:
+        """The new variants of `outcome` (assembled on the first call) and, once, the computed
+        system prefix into the exact prefix cache. Call before its KV is rewritten at prompt
+        positions (decoding writes only after the prompt)."""
+        if outcome.is_assembled:
+            return outcome.variants
+        job, result = outcome.job, outcome.result
+        outcome.is_assembled, outcome.job, outcome.result = True, None, None
+        if job is None or result is None or not job.plan.make_variants:
+            return outcome.variants
+        plan, rope = job.plan, self.loaded.model.rope
+        if plan.mode == "prefix":
+            misses = [i for i, cp in enumerate(plan.chunks) if cp.variant is None]
+            outcome.variants = make_variants(
+                plan, job.rows, job.kv, result, rope, self.storage_dtype, misses, measured=False
+            )
+        else:
+            outcome.variants = make_variants(
+                plan, job.rows, job.kv, result, rope, self.storage_dtype, job.stat_chunks
+            )
+        if not plan.prefix_hit:
+            p = plan.layout.prefix_len
+            self.prefix_cache.put(
+                plan.layout.prefix_key, job.kv.k[:, :, :p].clone(), job.kv.v[:, :, :p].clone()
+            )
+        return outcome.variants
 
     @staticmethod
     def _chunk_report(cp: ChunkPlan, done: int, last: torch.Tensor) -> ChunkReport:
@@ -266,11 +312,12 @@ class Runner:
 
     def commit(self, outcome: PrefillOutcome) -> None:
         """Tell the store what was reused and missed, and offer the new variants."""
+        variants = self.variants(outcome)
         for variant_id, cfo in outcome.hits:
             self.store.record_hit(variant_id, cfo)
         for key in outcome.misses:
             self.store.record_miss(key)
-        for variant in outcome.variants:
+        for variant in variants:
             self.store.offer(variant)
 
     def prefill(

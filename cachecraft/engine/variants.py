@@ -7,6 +7,8 @@ from the attention statistics the forward collected over the prompt's spans.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from cachecraft.model.kv import KVCache
@@ -25,26 +27,54 @@ def make_variants(
     result: SeqResult,
     rope: Rope,
     storage_dtype: torch.dtype,
+    chunks: Collection[int],
+    measured: bool = True,
 ) -> list[Variant]:
-    """One variant per chunk of `plan` computed in full. Spans: 0 = prefix, i + 1 = chunk i,
-    last = question; `rows` [n] are the computed positions behind result.row_span_mass."""
-    if result.span_mass_layers is None or result.row_span_mass is None:
+    """One variant per chunk index in `chunks` (each computed in full). Spans: 0 = prefix,
+    i + 1 = chunk i, last = question; `rows` [n] are the computed positions behind
+    result.row_span_mass.
+
+    measured=False (`prefix` mode, which reuses only exact variants and so never reads their
+    statistics): no statistics were collected; the metadata is the conservative "unmeasured"
+    form (zero masses, CCI 1.0), so another mode that finds such a variant recomputes the most.
+    """
+    if measured and (result.span_mass_layers is None or result.row_span_mass is None):
         return []
     layout = plan.layout
-    span_mass = result.span_mass_layers.tolist()  # [L][S][S]
+    num_layers = kv.k.shape[0]
+    span_mass = result.span_mass_layers.tolist() if measured else None  # [L][S][S]
     out = []
     for i, cp in enumerate(plan.chunks):
-        if cp.variant is not None:
+        if cp.variant is not None or i not in chunks:
             continue
         slot, n = cp.slot, cp.slot.num_tokens
         earlier = plan.chunks[:i]
+        sizes = tuple(c.slot.num_tokens for c in earlier)
+        positions = torch.arange(slot.start, slot.end, device=kv.k.device)
+        keys = rope.unrotate(kv.k[:, :, slot.start : slot.end], positions).to(storage_dtype)
+        values = kv.v[:, :, slot.start : slot.end].to(storage_dtype, copy=True)
+        if span_mass is None:
+            meta = VariantMeta(
+                chunk_key=slot.key,
+                prefix_key=layout.prefix_key,
+                s_old=tuple(c.slot.key for c in earlier),
+                s_old_sizes=sizes,
+                num_tokens=n,
+                num_layers=num_layers,
+                inter=tuple((0.0,) * num_layers for _ in earlier),
+                intra=(0.0,) * num_layers,
+                token_scores=(0.0,) * n,
+                cci=1.0,
+                is_exact=cp.is_exact,
+            )
+            out.append(Variant(meta, keys, values))
+            continue
         inter = tuple(
             tuple(layer[i + 1][j + 1] for layer in span_mass) for j in range(len(earlier))
         )
         intra = tuple(layer[i + 1][i + 1] for layer in span_mass)
         in_chunk = (rows >= slot.start) & (rows < slot.end)
         scores = result.row_span_mass[in_chunk][:, 1 : i + 1].sum(-1)  # mass on earlier chunks
-        sizes = tuple(c.slot.num_tokens for c in earlier)
         meta = VariantMeta(
             chunk_key=slot.key,
             prefix_key=layout.prefix_key,
@@ -58,8 +88,5 @@ def make_variants(
             cci=cci(inter, intra, sizes, n),
             is_exact=cp.is_exact,
         )
-        positions = torch.arange(slot.start, slot.end, device=kv.k.device)
-        keys = rope.unrotate(kv.k[:, :, slot.start : slot.end], positions).to(storage_dtype)
-        values = kv.v[:, :, slot.start : slot.end].to(storage_dtype, copy=True)
         out.append(Variant(meta, keys, values))
     return out

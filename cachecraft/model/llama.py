@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.arch import ModelArch
-from cachecraft.model.attention import causal_attention, row_span_mass
+from cachecraft.model.attention import causal_attention, span_onehot
 from cachecraft.model.rope import Rope
 from cachecraft.model.step import LayerView, SeqResult, SeqWork
 
@@ -61,6 +61,8 @@ class _Rows:
             self.row_layers = torch.zeros(n)
             starts = work.span_bounds[:, 0].contiguous()
             self.row_span = torch.bucketize(work.positions, starts, right=True) - 1
+            ctx = int(work.positions[-1]) + 1
+            self.onehot = span_onehot(work.span_bounds.to(work.kv.k.device), ctx, work.kv.k.dtype)
             self.stats_rows = (
                 torch.ones(n, dtype=torch.bool)
                 if work.stats_rows is None
@@ -130,19 +132,29 @@ class LlamaModel:
             w.kv.length = max(w.kv.length, top)
         ids = torch.cat([w.token_ids for w in works]).to(self.device)
         h = F.embedding(ids, self.embed)
+        # RoPE tables of every row of every sequence: [N, 1, D], one rotation per layer.
+        cos = torch.cat([s.cos for s in states])[:, None]
+        sin = torch.cat([s.sin for s in states])[:, None]
+        loaders = [w.before_layer for w in works if w.before_layer is not None]
         for layer_idx, weights in enumerate(self.layers):
-            for w in works:
-                if w.before_layer is not None:
-                    w.before_layer(layer_idx)
-            h = self._compact(h, states, layer_idx)
-            h = self._layer(h, states, layer_idx, weights)
+            for fill in loaders:
+                fill(layer_idx)
+            compacted = self._compact(h, states, layer_idx)
+            if compacted is not None:
+                h = compacted
+                cos = torch.cat([s.cos for s in states])[:, None]
+                sin = torch.cat([s.sin for s in states])[:, None]
+            h = self._layer(h, states, layer_idx, weights, cos, sin)
         return self._finish(h, states)
 
-    def _compact(self, h: torch.Tensor, states: list[_Rows], layer_idx: int) -> torch.Tensor:
-        """Drop rows whose last layer is below `layer_idx` (they keep their given K/V above)."""
+    def _compact(self, h: torch.Tensor, states: list[_Rows], layer_idx: int) -> torch.Tensor | None:
+        """Drop rows whose last layer is below `layer_idx` (they keep their given K/V above);
+        None when every row goes on."""
+        if all(s.work.last_layer is None and not s.work.hooks for s in states):
+            return None  # nothing can have stopped: skip the per-sequence checks
         keeps = [s.last_layer >= layer_idx for s in states]
         if all(bool(k.all()) for k in keeps):
-            return h
+            return None
         for s, k in zip(states, keeps, strict=True):
             s.positions, s.index, s.last_layer = s.positions[k], s.index[k], s.last_layer[k]
             s.cos, s.sin = s.cos[k], s.sin[k]
@@ -151,22 +163,31 @@ class LlamaModel:
         return h[torch.cat(keeps)]
 
     def _layer(
-        self, h: torch.Tensor, states: list[_Rows], layer_idx: int, w: LayerWeights
+        self,
+        h: torch.Tensor,
+        states: list[_Rows],
+        layer_idx: int,
+        w: LayerWeights,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> torch.Tensor:
         arch = self.arch
         nh, nkv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        num_rows = h.shape[0]
         x = _rms_norm(h, w.ln1, arch.rms_norm_eps)
         qkv = F.linear(x, w.wqkv, w.bqkv)
-        attn = torch.empty((h.shape[0], nh * hd), dtype=h.dtype, device=h.device)
+        # Rotate the queries and keys of all rows at once: [N, H + Hkv, D].
+        qk = Rope.apply(qkv[:, : (nh + nkv) * hd].view(num_rows, nh + nkv, hd), cos, sin)
+        vals = qkv[:, (nh + nkv) * hd :].view(num_rows, nkv, hd)
+        attn = torch.empty((num_rows, nh * hd), dtype=h.dtype, device=h.device)
         start = 0
         for s in states:
             n = s.positions.shape[0]
             if n == 0:
                 continue
-            rows = qkv[start : start + n]
-            q = rows[:, : nh * hd].view(n, nh, hd).transpose(0, 1)
-            k = rows[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd).transpose(0, 1)
-            v = rows[:, (nh + nkv) * hd :].view(n, nkv, hd).transpose(0, 1)
+            q = qk[start : start + n, :nh].transpose(0, 1)
+            k = qk[start : start + n, nh:].transpose(0, 1)
+            v = vals[start : start + n].transpose(0, 1)
             out = self._attend(s, layer_idx, q, k, v)
             attn[start : start + n] = out.transpose(0, 1).reshape(n, nh * hd)
             start += n
@@ -178,9 +199,8 @@ class LlamaModel:
     def _attend(
         self, s: _Rows, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Rotate, write fresh K/V at the rows' positions, attend; q [H,n,D] -> [H,n,D]."""
+        """Write the fresh (rotated) K/V at the rows' positions, attend; q [H,n,D] -> [H,n,D]."""
         work, pos = s.work, s.positions
-        q, k = Rope.apply(q, s.cos, s.sin), Rope.apply(k, s.cos, s.sin)
         kv_k, kv_v = work.kv.k[layer_idx], work.kv.v[layer_idx]
         hook = work.hooks.get(layer_idx)
         k_old = v_old = None
@@ -196,11 +216,12 @@ class LlamaModel:
         keys = kv_k[:, : last + 1].to(q.dtype)
         values = kv_v[:, : last + 1].to(q.dtype)
         window = self.arch.sliding_window
-        out = causal_attention(q, keys, values, pos, window)
-        if work.span_bounds is not None and bool(s.stats_rows.any()):
+        wants_stats = work.span_bounds is not None and bool(s.stats_rows.any())
+        onehot = s.onehot if wants_stats else None
+        out, mass = causal_attention(q, keys, values, pos, window, onehot)
+        if mass is not None:
             sel = s.stats_rows
-            mass = row_span_mass(q[:, sel], keys, pos[sel], work.span_bounds, window)
-            self._collect(s, s.index[sel], layer_idx, mass)
+            self._collect(s, s.index[sel], layer_idx, mass[sel].float())
         if hook is not None:
             view = LayerView(layer_idx, pos, q, k, v, k_old, v_old, keys, window)
             keep = hook(view)
@@ -219,30 +240,42 @@ class LlamaModel:
         s.row_layers[index] += 1
 
     def _finish(self, h: torch.Tensor, states: list[_Rows]) -> list[SeqResult]:
-        results = []
+        """Logits of the rows each sequence asked for, through ONE lm_head product for all
+        sequences (the head is the largest matrix: reading it once per sequence would cost
+        a decode step more than its layers)."""
+        picks: list[torch.Tensor] = []
+        counts: list[int] = []
         start = 0
         top = self.arch.num_layers - 1
         for s in states:
             n = s.positions.shape[0]
-            rows = h[start : start + n]
-            start += n
             mode = s.work.logits_for
+            total = s.work.positions.shape[0]
             if mode == "none":
-                picked = rows[:0]
+                want: list[int] = []
+            elif mode == "last":
+                want = [total - 1]
             else:
-                total = s.work.positions.shape[0]
-                want = [total - 1] if mode == "last" else list(range(total))
-                where = {int(i): j for j, i in enumerate(s.index.tolist())}
-                missing = [i for i in want if i not in where]
+                want = list(range(total))
+            if n == total:  # no row stopped early: row i is still at offset i
+                where = want
+            else:
+                at = {int(i): j for j, i in enumerate(s.index.tolist())}
+                missing = [i for i in want if i not in at]
                 if missing:
                     raise ValueError(
                         f"logits asked for rows {missing} that stopped before layer {top}"
                     )
-                picked = rows[[where[i] for i in want]]
-            x = _rms_norm(picked, self.norm, self.arch.rms_norm_eps)
-            logits = F.linear(x, self.lm_head).float()
+                where = [at[i] for i in want]
+            picks.append(torch.tensor(where, dtype=torch.long, device=h.device) + start)
+            counts.append(len(want))
+            start += n
+        x = _rms_norm(h[torch.cat(picks)], self.norm, self.arch.rms_norm_eps)
+        logits = F.linear(x, self.lm_head).float().split(counts)
+        results = []
+        for s, seq_logits in zip(states, logits, strict=True):
             row_mass = None
             if s.mass_rows is not None and s.row_layers is not None:
                 row_mass = s.mass_rows / s.row_layers.clamp(min=1)[:, None]
-            results.append(SeqResult(logits, s.final_last_layer, s.mass_layers, row_mass))
+            results.append(SeqResult(seq_logits, s.final_last_layer, s.mass_layers, row_mass))
         return results

@@ -60,9 +60,10 @@ def precompute(
     (chunk seen once) is repeated. A disk write that failed (full, unwritable) is reported in
     `not_stored_reason`; the variant may still be served from memory (`stored`)."""
     runner = engine.runner
-    job = runner.start(runner.plan(request, "cachecraft", lookup=False, layout=layout))
+    plan = runner.plan(request, "cachecraft", lookup=False, layout=layout)
+    job = runner.start(plan, precompute=True)
     outcome = runner.finish(job, runner.loaded.model.forward_step([job.work])[0])
-    variant = outcome.variants[-1]
+    variant = runner.variants(outcome)[-1]
     errors_before = store.stats().disk_write_errors
     stored = store.offer(variant) or store.offer(variant)
     reason = None

@@ -1,0 +1,93 @@
+"""One request path: LLM.generate runs the server's engine (caller-driven) and answers as the
+old single-request path did (prefill, then one plain forward step per token)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cachecraft.bench.model_bench import greedy_tokens
+from cachecraft.engine.engine import Engine
+from cachecraft.engine.sampling import SamplingParams
+from cachecraft.llm import LLM
+from cachecraft.model.step import SeqWork
+from cachecraft.request import Chunk, RagRequest
+
+DOCS = [
+    "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889.",
+    "Mount Everest is the highest mountain above sea level, in the Himalayas.",
+    "The Great Wall of China is a series of fortifications across northern China.",
+]
+STEPS = 7
+
+
+def _req(order: list[int], question: str = "Which one is tallest?") -> RagRequest:
+    return RagRequest(question, [Chunk(DOCS[i], id=f"d{i}") for i in order])
+
+
+def _old_answer(llm: LLM, request: RagRequest, mode: str, forced: list[int]) -> tuple:
+    """The single-request path the engine replaced: prefill, teacher-force after the prompt,
+    then greedy decoding one forward step per token, then commit."""
+    runner = llm.runner
+    job, outcome = runner.prefill(request, mode, extra_capacity=STEPS + len(forced))
+    n = outcome.report.prompt_tokens
+    pos = torch.arange(n, n + len(forced))
+    work = SeqWork(job.kv, torch.tensor(forced), pos, logits_for="all")
+    step = runner.loaded.model.forward_step([work])[0].logits
+    job.kv.length = n
+    forced_logits = torch.cat([outcome.first_logits[None], step[:-1]])
+    tokens = greedy_tokens(runner.loaded, job.kv, outcome.first_logits, STEPS)
+    runner.commit(outcome)
+    return tokens, outcome.first_logits, forced_logits, outcome.report
+
+
+@pytest.mark.parametrize("mode", ["full", "cachecraft", "prefix"])
+def test_generate_over_the_engine_equals_the_old_answers(tiny_dir: Path, mode: str) -> None:
+    old, new = LLM(str(tiny_dir)), LLM(str(tiny_dir))  # same model, two stores, same history
+    greedy = SamplingParams(max_tokens=STEPS, ignore_eos=True)
+    forced = [5, 17, 99]
+    for order in ([0, 1, 2], [2, 0, 1], [0, 1, 2]):  # cold, reordered hits, an exact repeat
+        request = _req(order)
+        tokens, first, tf, report = _old_answer(old, request, mode, forced)
+        out = new.generate(request, greedy, mode, teacher_force=[forced], keep_logits=True)[0]
+        assert out.token_ids == tokens
+        assert (out.first_token_logits - first).abs().max() < 1e-4
+        assert (out.teacher_forced_logits - tf).abs().max() < 1e-4
+        assert out.report.tokens_computed == report.tokens_computed
+        assert [c.is_hit for c in out.report.chunks] == [c.is_hit for c in report.chunks]
+    assert isinstance(new.engine, Engine) and new.engine.caller_driven
+    assert new.engine.num_steps > 0  # it really ran through the engine's steps
+
+
+def test_requests_given_together_are_batched_and_equal_alone(tiny_dir: Path) -> None:
+    llm = LLM(str(tiny_dir))
+    greedy = SamplingParams(max_tokens=STEPS, ignore_eos=True)
+    requests = [_req([0]), _req([1, 2], "Where is it?"), _req([2, 1, 0], "What is it?")]
+    alone = [llm.generate(r, greedy, "full")[0].token_ids for r in requests]
+    steps_before = llm.engine.num_steps
+    together = llm.generate(requests, greedy, "full")
+    assert [o.token_ids for o in together] == alone
+    # one prefill step for all three, then one batched decode step per token
+    assert llm.engine.num_steps - steps_before == STEPS
+    assert max(s.num_decodes for s in llm.engine.recent_steps) == 3
+
+
+def test_a_bad_request_in_a_batch_leaves_the_engine_empty(tiny_dir: Path) -> None:
+    from cachecraft.errors import BadRequestError
+
+    llm = LLM(str(tiny_dir))
+    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+    with pytest.raises(BadRequestError, match="unknown mode"):
+        llm.generate([_req([0]), _req([1])], greedy, mode="nope")
+    assert not llm.engine.has_work()
+    assert len(llm.generate([_req([0]), _req([1])], greedy, "full")) == 2
+
+
+def test_a_request_failing_in_the_engine_raises_after_the_others_finished(tiny_dir: Path) -> None:
+    llm = LLM(str(tiny_dir))
+    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+    with pytest.raises(ValueError, match="budgets"):  # planning fails inside the engine
+        llm.generate([_req([0]), _req([1])], greedy, "epic", budgets=[None, [1, 2, 3]])
+    assert not llm.engine.has_work() and llm.engine.num_running == 0

@@ -1,0 +1,69 @@
+"""Fused attention statistics: one SDPA call returns the output and each row's mass per span."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cachecraft.model.attention import ROW_BLOCK, causal_attention, row_span_mass, span_onehot
+
+
+def _brute(q, k, v, q_pos, window):
+    """Explicit softmax attention with GQA and the exact absolute mask: (out, probs [H,n,ctx])."""
+    group = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(group, 0)
+    v = v.repeat_interleave(group, 0)
+    ctx = k.shape[1]
+    scores = (q @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
+    kp = torch.arange(ctx)
+    mask = kp[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= kp[None, :] > q_pos[:, None] - window
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    return probs @ v, probs
+
+
+CASES = {
+    "full-causal": (torch.arange(40), None),
+    "partial-fold": (torch.tensor([3, 7, 8, 20, 39]), None),
+    "partial-expand": (torch.cat([torch.arange(10), torch.arange(25, 40)]), None),
+    "decode": (torch.tensor([39]), None),
+    "window": (torch.arange(40), 16),
+    # more rows than ROW_BLOCK: blocks of rows, each over the keys up to its last row
+    "row-blocks": (torch.cat([torch.arange(0, 700, 2), torch.arange(700, 900)]), None),
+    "row-blocks-window": (torch.cat([torch.arange(0, 700, 2), torch.arange(700, 900)]), 300),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_stats_equal_explicit_and_output_equals_plain(case: str) -> None:
+    q_pos, window = CASES[case]
+    g = torch.Generator().manual_seed(0)
+    num_heads, num_kv, d, ctx = 6, 2, 16, int(q_pos[-1]) + 1
+    q = 3 * torch.randn(num_heads, len(q_pos), d, generator=g)
+    k = 3 * torch.randn(num_kv, ctx, d, generator=g)
+    v = torch.randn(num_kv, ctx, d, generator=g)
+    bounds = torch.tensor([(0, 5), (5, 17), (17, 30), (30, ctx)])
+    assert case != "row-blocks" or len(q_pos) > ROW_BLOCK
+    plain, none = causal_attention(q, k, v, q_pos, window)
+    assert none is None
+    out, mass = causal_attention(q, k, v, q_pos, window, span_onehot(bounds, ctx, q.dtype))
+    ref_out, probs = _brute(q, k, v, q_pos, window)
+    assert (out - plain).abs().max() < 1e-5
+    assert (out - ref_out).abs().max() < 1e-5
+    assert mass is not None and mass.shape == (len(q_pos), 4)
+    assert torch.allclose(mass.sum(-1), torch.ones(len(q_pos)), atol=1e-5)
+    by_span = torch.stack([probs[..., a:b].sum(-1) for a, b in bounds.tolist()], -1).mean(0)
+    assert (mass - by_span).abs().max() < 1e-5
+    assert (mass - row_span_mass(q, k, q_pos, bounds, window)).abs().max() < 1e-5
+
+
+def test_fused_uses_the_head_dim_scale_not_the_padded_width() -> None:
+    """Padding Q and K must not change the softmax temperature (SDPA's default would)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 8, 4, generator=g) for _ in range(3))
+    pos = torch.arange(8)
+    out, _ = causal_attention(q, k, v, pos, None, span_onehot(torch.tensor([(0, 8)]), 8, q.dtype))
+    ref = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+    assert (out - ref).abs().max() < 1e-6

@@ -1,0 +1,73 @@
+"""Who pays for attention statistics: only chunks the store would admit, never `full`/`prefix`;
+new variants are assembled after the first token, at commit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cachecraft.engine.runner import Runner
+from cachecraft.llm import LLM
+from cachecraft.request import Chunk, RagRequest
+from cachecraft.store.config import StoreConfig
+from cachecraft.store.store import make_store
+
+DOCS = [
+    "Saturn is the sixth planet from the Sun and has a prominent ring system.",
+    "Jupiter is the largest planet in the Solar System, a gas giant.",
+]
+
+
+def _req() -> RagRequest:
+    return RagRequest("Which planet has rings?", [Chunk(d) for d in DOCS])
+
+
+def _prefill(runner: Runner, mode: str, precompute: bool = False):
+    job = runner.start(runner.plan(_req(), mode), precompute=precompute)
+    result = runner.loaded.model.forward_step([job.work])[0]
+    return job, result, runner.finish(job, result)
+
+
+def test_refused_chunk_gets_no_statistics(tiny_dir: Path) -> None:
+    store = make_store(StoreConfig(memory_bytes=1 << 26, doorkeeper_threshold=2))
+    llm = LLM(str(tiny_dir), store=store)
+    runner = llm.runner
+    # First sighting: the doorkeeper would refuse both chunks, so no row pays for statistics.
+    job, result, outcome = _prefill(runner, "cachecraft")
+    assert job.work.span_bounds is None and result.span_mass_layers is None
+    runner.commit(outcome)
+    assert outcome.variants == [] and len(store) == 0
+    # Second sighting: both would be admitted, so their rows (and only theirs) are measured.
+    job, result, outcome = _prefill(runner, "cachecraft")
+    assert job.stat_chunks == (0, 1) and result.row_span_mass is not None
+    chunk_rows = job.rows < job.plan.layout.question_start
+    question_rows = ~chunk_rows & (job.rows >= job.plan.chunks[0].slot.start)
+    assert float(result.row_span_mass[question_rows].abs().sum()) == 0.0
+    runner.commit(outcome)
+    assert len(outcome.variants) == 2 and len(store) == 2
+
+
+def test_full_and_prefix_never_pay_for_statistics(tiny_dir: Path) -> None:
+    llm = LLM(str(tiny_dir))
+    for mode in ("full", "prefix"):
+        job, result, outcome = _prefill(llm.runner, mode)
+        assert job.work.span_bounds is None and result.span_mass_layers is None
+        llm.runner.commit(outcome)
+    # prefix mode still stores its chunks (K/V only, conservative metadata) for exact reuse.
+    metas = [
+        m
+        for d in llm.runner.plan(_req(), "prefix").layout.chunks
+        for m in llm.store.variants(d.key)
+    ]
+    assert len(metas) == 2 and all(m.cci == 1.0 for m in metas)
+    again = llm.runner.plan(_req(), "prefix")
+    assert all(cp.variant is not None for cp in again.chunks)
+
+
+def test_variants_are_assembled_at_commit_not_before(tiny_dir: Path) -> None:
+    llm = LLM(str(tiny_dir))
+    job, _, outcome = _prefill(llm.runner, "cachecraft")
+    assert not outcome.is_assembled and outcome.variants == [] and len(llm.store) == 0
+    assert llm.runner.prefix_cache.get(job.plan.layout.prefix_key) is None
+    llm.runner.commit(outcome)
+    assert outcome.is_assembled and len(outcome.variants) == 2 and len(llm.store) == 2
+    assert llm.runner.prefix_cache.get(job.plan.layout.prefix_key) is not None
