@@ -11,7 +11,9 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 # The one environment variable cachecraft sets, before torch loads OpenMP: with the default
@@ -153,8 +155,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (what `timeout`, systemd and docker send) unwinds like Ctrl-C, so every
+    `finally` / `with` block runs and the processes we started are stopped with us."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop_on_sigterm()
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

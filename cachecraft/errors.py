@@ -27,3 +27,7 @@ class ContextLengthError(CachecraftError):
 
 class BadRequestError(CachecraftError):
     """A request is malformed (empty question, a chunk that is not text, ...)."""
+
+
+class StoreUnavailableError(CachecraftError):
+    """A store location (cache directory, Redis) cannot be used; the message says which."""

@@ -72,3 +72,74 @@ def test_command_has_the_fair_comparison_settings(tmp_path: Path) -> None:
     assert cmd[cmd.index("--dtype") + 1] == "float32"
     assert cmd[cmd.index("--block-size") + 1] == "32"
     assert cmd[cmd.index("--model") + 1] == str(tmp_path)
+
+
+# A stand-in for vLLM: answers /health, and starts a child of its own (as vLLM starts its
+# engine core and workers) that outlives it unless its whole process group is stopped.
+FAKE_VLLM = """\
+import http.server, os, subprocess, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+with open(os.environ["FAKE_VLLM_PIDS"], "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+BENCH = """\
+import sys, time
+from cachecraft.bench.peer_vllm import VllmServer
+from cachecraft.cli import stop_on_sigterm
+stop_on_sigterm()
+with VllmServer(sys.argv[1], python=sys.argv[2], startup_timeout_s=60):
+    print("ready", flush=True)
+    time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"  # a zombie has stopped; only its parent's reaping is left
+
+
+def test_sigterm_stops_vllm_and_every_process_it_started(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "fake_vllm.py").write_text(FAKE_VLLM)
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "fake_vllm.py"}" "$@"\n')
+    os.chmod(fake, 0o755)
+    pid_file = tmp_path / "pids"
+    env = {**os.environ, "FAKE_VLLM_PIDS": str(pid_file)}
+    bench = subprocess.Popen(
+        [sys.executable, "-c", BENCH, str(tmp_path), str(fake)],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        assert bench.stdout is not None and bench.stdout.readline().strip() == "ready"
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert all(_alive(p) for p in pids)
+        bench.send_signal(signal.SIGTERM)  # what `timeout` sends
+        assert bench.wait(30) != 0
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], "processes outlived their parent"
+    finally:
+        for pid in [bench.pid, *pids]:  # only what this test started
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -216,10 +216,11 @@ def test_limits_and_context(url: str) -> None:
         c.chat.completions.create(
             model="cachecraft", messages=msgs, extra_body={"documents": [{"text": "x"}] * 5}
         )
-    with pytest.raises(openai.BadRequestError, match="at most 400"):
+    with pytest.raises(openai.APIStatusError, match="at most 400") as too_large:
         c.chat.completions.create(
             model="cachecraft", messages=msgs, extra_body={"documents": [{"text": "x" * 401}]}
         )
+    assert too_large.value.status_code == 413
     long = " ".join(["word"] * 700)
     with pytest.raises(openai.BadRequestError) as info:
         c.chat.completions.create(model="cachecraft", messages=[{"role": "user", "content": long}])

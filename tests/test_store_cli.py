@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from store_helpers import make_variant
 
+from cachecraft.errors import StoreUnavailableError
 from cachecraft.store.cli import add_chunks_parser, chunks_command
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.store import TieredStore
@@ -58,5 +59,5 @@ def test_rm_and_clear(cache_dir: str, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_missing_directory_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(StoreUnavailableError, match="no chunk-cache directory"):
         chunks_command("ls", str(tmp_path / "nope"))

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -38,6 +39,12 @@ PREFIX_CACHE_METRICS = {
 
 class PeerError(CachecraftError):
     """The peer server is not installed, did not start, or answered nonsense."""
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Signal the process group `pgid` (a session leader's pid); gone already is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
 
 
 def free_port() -> int:
@@ -174,15 +181,21 @@ class VllmServer:
         )
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """Terminate, then kill after `grace_s`; removes the temp dir (log included)."""
+        """Stop vLLM and every process it started (its own session: the API server, engine
+        core and workers), SIGTERM then SIGKILL after `grace_s`; removes the temp dir (log
+        included). Our caller runs this on SIGTERM too: `cachecraft.cli` turns SIGTERM into
+        KeyboardInterrupt so `with VllmServer(...)` blocks unwind."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 logger.warning("vLLM did not stop in %.0f s; killing it", grace_s)
-                proc.kill()
+            # Children left in the group (vLLM's API server may exit before its workers do)
+            # are killed whether or not the leader stopped in time.
+            _signal_group(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,15 +28,27 @@ from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner
 from cachecraft.engine.sampling import SamplingParams, make_generator, sample
 from cachecraft.engine.scheduler import QueueFull, Scheduler
 from cachecraft.errors import BadRequestError
-from cachecraft.model.step import SeqWork
+from cachecraft.model.step import SeqResult, SeqWork
 from cachecraft.request import RagRequest
+from cachecraft.reuse.layout import PromptLayout
 from cachecraft.reuse.plan import RecomputePlan
+from cachecraft.store.codec import CorruptVariantError
 
 log = logging.getLogger(__name__)
 
 
 class EngineStopped(RuntimeError):
     """The engine shut down before the request finished."""
+
+
+class Liveness(NamedTuple):
+    """What /health reads: is the step thread alive, and how long has its current unit of
+    work (admits, calls, one step) been running (None: idle)."""
+
+    is_alive: bool
+    busy_s: float | None
+    num_steps: int
+    num_failed_requests: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +82,8 @@ class _Live:
     generator: torch.Generator | None = None
     stops: frozenset[int] = field(default_factory=frozenset)
     outcome: PrefillOutcome | None = None
+    layout: PromptLayout | None = None
+    """Tokenized before submit (off the step thread); None: tokenized when planned."""
 
 
 class Engine:
@@ -88,8 +102,10 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._busy_since: float | None = None
         self.num_steps = 0
         self.num_aborted = 0
+        self.num_failed = 0
 
     # ---- other threads ----------------------------------------------------------------------
     @property
@@ -100,6 +116,19 @@ class Engine:
     def num_running(self) -> int:
         return self.scheduler.num_running
 
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def liveness(self) -> Liveness:
+        busy = self._busy_since
+        return Liveness(
+            self.is_alive,
+            None if busy is None else time.monotonic() - busy,
+            self.num_steps,
+            self.num_failed,
+        )
+
     def submit(
         self,
         request: RagRequest,
@@ -107,20 +136,23 @@ class Engine:
         mode: str | None = None,
         budgets: list[int | None] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        layout: PromptLayout | None = None,
     ) -> RequestHandle:
-        """Queue a request. Raises QueueFull (backpressure) or BadRequestError (unknown mode);
-        planning errors (context length, ...) arrive as a Failed event."""
+        """Queue a request. Raises QueueFull (backpressure), BadRequestError (unknown mode) or
+        EngineStopped; planning errors (context length, ...) arrive as a Failed event.
+        `layout`: the request already tokenized (`runner.layout(request)`, on any thread)."""
         mode = mode or self.config.mode
         if mode not in MODES:
             raise BadRequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         with self._wake:
-            if self._stopping or self._thread is None:
+            if not self.is_alive:
                 raise EngineStopped("the engine is not running")
             if self.num_waiting >= self.config.max_queue:
                 raise QueueFull(f"{self.num_waiting} requests are waiting (max_queue)")
             handle = RequestHandle(f"req-{next(self._ids)}", self.abort, loop)
             sampling = sampling or SamplingParams()
             live = _Live(handle, request, sampling, mode, budgets, time.perf_counter())
+            live.layout = layout
             self._inbox.append(live)
             self._wake.notify()
         return handle
@@ -136,7 +168,7 @@ class Engine:
         """Run `fn()` on the step thread between steps (it may use the model and the store)."""
         future: Future = Future()
         with self._wake:
-            if self._stopping or self._thread is None:
+            if not self.is_alive:
                 raise EngineStopped("the engine is not running")
             self._calls.append((fn, future))
             self._wake.notify()
@@ -157,6 +189,17 @@ class Engine:
 
     # ---- the step thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            log.critical("the engine step thread died", exc_info=True)
+            self._stopping = True
+            raise
+        finally:
+            self._busy_since = None
+            self._shutdown()
+
+    def _loop(self) -> None:
         while True:
             with self._wake:
                 while not (
@@ -172,6 +215,7 @@ class Engine:
                 inbox, self._inbox = list(self._inbox), deque()
                 aborts, self._aborts = self._aborts, {}
                 calls, self._calls = list(self._calls), deque()
+            self._busy_since = time.monotonic()
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -186,12 +230,13 @@ class Engine:
                     self.num_aborted += reason == "abort"
                     live.handle.push(Finished(reason, [], None))
                 else:
-                    self._admit(live)
+                    self._admit_guarded(live)
             try:
                 self._step()
             except Exception:  # never let one bad step end the loop
                 log.exception("engine step failed")
-        self._shutdown()
+                self._fail_stuck()
+            self._busy_since = None
 
     def _shutdown(self) -> None:
         with self._wake:
@@ -204,11 +249,106 @@ class Engine:
             future.cancel()
         self._live.clear()
 
+    # ---- fault isolation: one request's error fails that request, never the loop ------------
+    def _admit_guarded(self, live: _Live) -> None:
+        try:
+            self._admit(live)
+        except Exception as e:
+            log.warning("request %s failed on admission: %r", live.handle.request_id, e)
+            self.scheduler.abort(live.handle.request_id)
+            self._live.pop(live.handle.request_id, None)
+            self.num_failed += 1
+            live.handle.push(Failed(e))
+
+    def _fail_stuck(self) -> None:
+        """After a step failed outside every per-request guard: fail the requests that would
+        fail the same way on every later step (prefilled, so scheduled to decode, but without a
+        token to feed back); the others are simply scheduled again."""
+        for rid, live in list(self._live.items()):
+            state = live.state
+            if state is not None and live.outcome is not None and not state.output_ids:
+                self._fail(rid, RuntimeError("the engine step failed for this request"))
+
+    def _plan(self, live: _Live) -> RecomputePlan:
+        return self.runner.plan(live.request, live.mode, live.budgets, layout=live.layout)
+
+    def _forward_isolated(
+        self, works: list[SeqWork], order: list[tuple[str, bool]]
+    ) -> list[SeqResult | None]:
+        """One forward step over all works; if it raises, each sequence runs again alone so
+        that only the failing ones fail (None). K/V writes go to explicit positions, so a decode
+        run twice writes the same K/V; a prefill is started afresh (its layer readers may be
+        spent), and one whose chunk-cache was corrupt is planned again (the store dropped it,
+        so it becomes a miss), as `Runner.prefill` does."""
+        try:
+            return list(self.runner.loaded.model.forward_step(works))
+        except Exception:
+            log.exception("forward step over %d sequences failed; isolating", len(works))
+        results: list[SeqResult | None] = []
+        for work, (rid, is_prefill) in zip(works, order, strict=True):
+            results.append(self._forward_alone(work, rid, is_prefill, len(works) == 1))
+        return results
+
+    def _forward_alone(
+        self, work: SeqWork, rid: str, is_prefill: bool, failed_alone: bool
+    ) -> SeqResult | None:
+        live = self._live.get(rid)
+        if live is None:
+            return None
+        for attempt in range(2):
+            try:
+                if is_prefill:
+                    if failed_alone and attempt == 0:
+                        continue  # it already failed alone once; start afresh right away
+                    self._close_loader(live)
+                    live.plan = self._plan(live)
+                    assert live.state is not None
+                    live.job = self.runner.start(live.plan, live.state.max_tokens, live.t_submit)
+                    work = live.job.work
+                return self.runner.loaded.model.forward_step([work])[0]
+            except CorruptVariantError as e:
+                if not is_prefill or attempt:
+                    self._fail(rid, e)
+                    return None
+                log.warning("request %s: a chunk-cache was corrupt; planning it again", rid)
+            except Exception as e:
+                log.warning("request %s failed in the forward step: %r", rid, e)
+                self._fail(rid, e)
+                return None
+        return None
+
+    @staticmethod
+    def _close_loader(live: _Live) -> None:
+        loader = live.job.loader if live.job is not None else None
+        if loader is not None:
+            try:
+                loader.close()
+            except Exception:  # noqa: BLE001 - closing a spent reader must not fail the retry
+                log.debug("closing a layer loader failed", exc_info=True)
+
+    def _sample_emit(self, rid: str, logits: torch.Tensor) -> None:
+        live = self._live.get(rid)
+        if live is None:
+            return
+        try:
+            token = sample(logits, live.sampling, live.generator)
+        except Exception as e:
+            log.warning("request %s failed while sampling: %r", rid, e)
+            self._fail(rid, e)
+            return
+        self._emit(live, token)
+
+    def _commit_guarded(self, outcome: PrefillOutcome) -> None:
+        try:
+            self.runner.commit(outcome)
+        except Exception:  # the answer went out; only the cache entry is lost
+            log.exception("committing variants failed")
+
     def _admit(self, live: _Live) -> None:
         """Plan (store metadata only), prefetch the chosen variants, queue for the scheduler."""
         rid = live.handle.request_id
         try:
-            plan = self.runner.plan(live.request, live.mode, live.budgets)
+            plan = self._plan(live)
         except Exception as e:
             live.handle.push(Failed(e))
             return
@@ -245,7 +385,7 @@ class Engine:
             try:
                 # Plan again now: variants stored while this request waited (by requests
                 # admitted before it) become hits. Metadata only, so cheap.
-                live.plan = self.runner.plan(live.request, live.mode, live.budgets)
+                live.plan = self._plan(live)
                 live.job = self.runner.start(live.plan, live.state.max_tokens, live.t_submit)
             except Exception as e:
                 self._fail(rid, e)
@@ -254,24 +394,24 @@ class Engine:
             order.append((rid, True))
         for rid in out.decode_ids:
             live = self._live[rid]
-            assert live.job is not None and live.state is not None
-            kv = live.job.kv
-            pos = torch.tensor([kv.length], device=kv.k.device)
-            works.append(SeqWork(kv, torch.tensor([live.state.output_ids[-1]]), pos))
+            try:
+                assert live.job is not None and live.state is not None
+                kv = live.job.kv
+                pos = torch.tensor([kv.length], device=kv.k.device)
+                works.append(SeqWork(kv, torch.tensor([live.state.output_ids[-1]]), pos))
+            except Exception as e:  # a request in a state it cannot decode from
+                self._fail(rid, e)
+                continue
             order.append((rid, False))
         if not works:
             return
         self.num_steps += 1
-        try:
-            results = self.runner.loaded.model.forward_step(works)
-        except Exception as e:
-            log.exception("forward step over %d sequences failed", len(works))
-            for rid, _ in order:
-                self._fail(rid, e)
-            return
+        results = self._forward_isolated(works, order)
         outcomes: list[PrefillOutcome] = []
         for (rid, is_prefill), result in zip(order, results, strict=True):
-            live = self._live[rid]
+            live = self._live.get(rid)
+            if live is None or result is None:
+                continue
             if is_prefill:
                 assert live.job is not None
                 try:
@@ -285,12 +425,9 @@ class Engine:
                 logits = outcome.first_logits
             else:
                 logits = result.logits[0]
-            self._emit(live, sample(logits, live.sampling, live.generator))
+            self._sample_emit(rid, logits)
         for outcome in outcomes:  # off the time-to-first-token path
-            try:
-                self.runner.commit(outcome)
-            except Exception:
-                log.exception("committing variants failed")
+            self._commit_guarded(outcome)
 
     def _emit(self, live: _Live, token: int) -> None:
         state = live.state
@@ -312,6 +449,7 @@ class Engine:
     def _fail(self, request_id: str, error: BaseException) -> None:
         live = self._drop(request_id, None)
         if live is not None:
+            self.num_failed += 1
             live.handle.push(Failed(error))
 
     def _drop(self, request_id: str, reason: str | None) -> _Live | None:

@@ -28,7 +28,7 @@ from cachecraft.model.kv import KVCache
 from cachecraft.model.loader import DTYPES, LoadedModel
 from cachecraft.model.step import Hook, SeqResult, SeqWork
 from cachecraft.request import RagRequest
-from cachecraft.reuse.layout import build_layout
+from cachecraft.reuse.layout import PromptLayout, build_layout
 from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
 from cachecraft.reuse.planner import as_miss, plan_request, resolve_probe, without_prefix_hit
 from cachecraft.store.base import ChunkStore
@@ -89,13 +89,15 @@ class Runner:
         mode: str,
         budgets: list[int | None] | None = None,
         lookup: bool = True,
+        layout: PromptLayout | None = None,
     ) -> RecomputePlan:
         """The request's plan; `lookup=False` ignores stored variants (every chunk computed in
-        full and made a variant: `LLM.precompute`)."""
+        full and made a variant: `LLM.precompute`). `layout`: `self.layout(request)` computed
+        earlier (tokenization done off the step thread)."""
         if mode not in MODES:
             raise BadRequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         m = self.loaded
-        layout = build_layout(request, m.tokenizer, m.fingerprint, m.arch.max_position_embeddings)
+        layout = layout or self.layout(request)
         variants: dict[str, list[VariantMeta]] = {}
         if mode != "full" and lookup:
             variants = {c.key: self.store.variants(c.key) for c in layout.chunks}
@@ -103,6 +105,11 @@ class Runner:
         return plan_request(
             layout, variants, mode, self.reuse, m.arch.num_layers, budgets, prefix_hit
         )
+
+    def layout(self, request: RagRequest) -> PromptLayout:
+        """Tokenize the request and check the context length (no model, no store: any thread)."""
+        m = self.loaded
+        return build_layout(request, m.tokenizer, m.fingerprint, m.arch.max_position_embeddings)
 
     # ---- KV assembly ----------------------------------------------------------------------
     def start(self, plan: RecomputePlan, extra_capacity: int = 0, t_start: float | None = None):

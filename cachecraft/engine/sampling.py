@@ -1,12 +1,28 @@
-"""SamplingParams and next-token sampling: greedy, temperature, top-p, per-request seed."""
+"""SamplingParams and next-token sampling: greedy, temperature, top-p, per-request seed.
+
+Parameters are checked when they are made (BadRequestError names the field), and `sample`
+never fails on the logits it is given: non-finite or degenerate probabilities fall back to
+the greedy choice over the finite logits.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
 from cachecraft.errors import BadRequestError
+
+log = logging.getLogger(__name__)
+
+MIN_TEMPERATURE = 1e-3
+"""Below this a softmax over fp32 logits is greedy anyway, and logits / temperature overflows
+(1e-38 and below give inf); such requests are refused, not silently changed."""
+MAX_TEMPERATURE = 100.0
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""torch.Generator.manual_seed accepts exactly this range."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,10 +46,17 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if self.max_tokens < 1:
             raise BadRequestError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise BadRequestError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
+        t = self.temperature
+        if not math.isfinite(t) or t < 0:
+            raise BadRequestError("temperature must be a finite number >= 0")
+        if 0 < t < MIN_TEMPERATURE or t > MAX_TEMPERATURE:
+            raise BadRequestError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]"
+            )
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise BadRequestError("top_p must be in (0, 1]")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise BadRequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -44,15 +67,25 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return gen
 
 
+def _greedy(logits: torch.Tensor) -> int:
+    """argmax with nan ranked last and +inf first."""
+    info = torch.finfo(torch.float32)
+    return int(torch.argmax(torch.nan_to_num(logits, nan=info.min, posinf=info.max)))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """logits [vocab] -> one token id."""
+    """logits [vocab] -> one token id. Never raises on inf/nan: greedy (nan ranked last)."""
+    logits = logits.float()
     if params.temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        return _greedy(logits)
+    probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_p, order = torch.sort(probs, descending=True)
         cum = sorted_p.cumsum(-1)
         drop = cum - sorted_p > params.top_p  # keep the smallest set reaching top_p
         sorted_p[drop] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        log.warning("non-finite sampling probabilities; taking the greedy token")
+        return _greedy(logits)
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))

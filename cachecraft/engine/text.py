@@ -48,15 +48,20 @@ class TextStream:
                     break
         return held
 
+    def _final(self) -> str:
+        """All text at the end; a multi-byte character cut by the end of the answer (a
+        `length` finish) is dropped rather than shown as U+FFFD."""
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip().rstrip("\ufffd")
+
     def flush(self) -> str:
         """At the end: the text held back for a stop string that never came."""
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
+        text = self._final()
         delta, self.sent = text[len(self.sent) :], text
         return delta
 
     def final_text(self) -> str:
         if self.stopped:
             return self.sent.rstrip()
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True).strip()
+        return self._final().strip()

@@ -1,21 +1,27 @@
 """create_app(engine, config): the OpenAI-compatible FastAPI app, kept thin.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/chunks (POST, GET, DELETE),
-/health, /metrics. Errors map to OpenAI-shaped bodies: 400 bad input, 401 bad key, 404 unknown
-model or chunk, 429 queue full (Retry-After), 500 anything else; the server never dies on input.
+/health, /metrics. Every error, the framework's included, has OpenAI's shape: 400 bad input
+(unsupported fields named), 401 bad key, 404 unknown model, chunk or route, 405 wrong method,
+413 body or text over a cap, 429 queue full (Retry-After), 503 engine stopped, 500 anything
+else (and the connection stays open). Prompts are tokenized on a worker thread, never on the
+engine's step thread; /health answers 503 when the step thread is dead or stuck.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachecraft.config import MODES
 from cachecraft.engine.engine import Engine, EngineStopped
@@ -30,75 +36,195 @@ from cachecraft.server.protocol import (
     ChunksRequest,
     CompletionRequest,
     Document,
+    check_utf8,
     error_body,
+    unsupported_fields,
 )
 
 log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.type, self.code = status, type_, code
+        self.status, self.type, self.code, self.param = status, type_, code, param
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
+def _clean_loc(loc: tuple[Any, ...]) -> str:
+    """`body.messages.0.content.function-after[...]` -> `messages.0.content`."""
+    if loc and loc[0] in ("body", "query", "path", "header"):
+        loc = loc[1:]
+    keep = [str(x) for x in loc if not any(c in str(x) for c in "[(")]
+    return ".".join(keep)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line naming each bad field (the first as `param`); for a field that failed every
+    branch of a union, the value error (what the user can act on) wins over type mismatches."""
+    by_loc: dict[str, list[dict[str, Any]]] = {}
     for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         if err.get("type") == "json_invalid":
-            parts.append(f"malformed JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
-        else:
-            parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    return "; ".join(parts) or "invalid request"
+            why = err.get("ctx", {}).get("error", err.get("msg"))
+            return f"malformed JSON: {why}", None
+        by_loc.setdefault(_clean_loc(tuple(err.get("loc", ()))), []).append(err)
+    parts = []
+    for loc, errs in by_loc.items():
+        preferred = [e for e in errs if e.get("type") == "value_error"] or errs
+        msgs = dict.fromkeys(str(e.get("msg")).removeprefix("Value error, ") for e in preferred)
+        parts.append(f"{loc or 'body'}: {' or '.join(msgs)}")
+    return "; ".join(parts) or "invalid request", next(iter(by_loc), None) or None
 
 
-class _CountRequests:
-    """Pure ASGI middleware (streams and disconnects pass through untouched): counts each
-    HTTP response by route template and status."""
+_STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
-    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
-        self.app, self.metrics = app, metrics
+
+def _json_error(status: int, message: str, type_: str, code: str | None) -> tuple[dict, bytes]:
+    start = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", b"application/json")],
+    }
+    return start, json.dumps(error_body(message, type_, code)).encode()
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` as the body streams in: an HTTPException, so FastAPI's body
+    parsing passes it on (it turns other errors into a 400) to the 413 handler."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body over {max_bytes} bytes (max_request_bytes)")
+
+
+class _Guard:
+    """Pure ASGI middleware (streams and disconnects pass through untouched), between
+    Starlette's error middleware and the routes:
+    * refuses a body over `max_bytes` with 413 (by Content-Length, or while it streams in);
+    * turns any exception a route let escape into a 500 JSON answer *without* re-raising, so
+      the server keeps the keep-alive connection open (a re-raise makes uvicorn drop it);
+    * counts each HTTP response by route template and status."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics, max_bytes: int) -> None:
+        self.app, self.metrics, self.max_bytes = app, metrics, max_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
 
-        async def counting_send(message: Any) -> None:
+        async def guarded_send(message: Any) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 route = scope.get("route")
                 path = getattr(route, "path", None) or "other"
                 self.metrics.requests.labels(path, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        async def reply(status: int, message: str, type_: str, code: str | None) -> None:
+            start, body = _json_error(status, message, type_, code)
+            await guarded_send(start)
+            await guarded_send({"type": "http.response.body", "body": body})
+
+        too_large = str(_BodyTooLarge(self.max_bytes).detail)
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length", b"").decode("latin-1").strip()
+        if length.isdigit() and int(length) > self.max_bytes:
+            await reply(413, too_large, "invalid_request_error", "request_too_large")
+            return
+        seen = 0
+
+        async def limited_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge(self.max_bytes)
+            return message
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except _BodyTooLarge:
+            if not started:
+                await reply(413, too_large, "invalid_request_error", "request_too_large")
+        except Exception as exc:  # noqa: BLE001 - the last line of defence, logged
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                message = f"internal error: {type(exc).__name__}: {exc}"
+                await reply(500, message, "server_error", None)
+
+
+NamespaceQuery = Annotated[str | None, Query(min_length=1, max_length=128)]
+
+
+def checked(value: str | None) -> str | None:
+    """Query strings are not validated by pydantic's str type: refuse lone surrogates here."""
+    if value is None:
+        return None
+    try:
+        return check_utf8(value)
+    except ValueError as e:
+        raise ApiError(400, f"cache_namespace: {e}", "invalid_request_error") from None
 
 
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
-    app = FastAPI(title="cachecraft", version="0.1.0")
+    # redirect_slashes off: `DELETE /v1/chunks/` is a 404/405, never a 307 to another route
+    app = FastAPI(title="cachecraft", version="0.1.0", redirect_slashes=False)
     if not isinstance(engine.runner.store, chunks.PinnedStore):
         engine.runner.store = chunks.PinnedStore(engine.runner.store)  # pinning for /v1/chunks
     state = app.state
     state.engine, state.config = engine, config
     state.metrics = ServerMetrics(engine)
     state.registry = chunks.ChunkRegistry()
+    # Tokenization (CPU work proportional to the text) runs here, never on the step thread;
+    # one worker: HF fast tokenizers are not meant to be shared across threads.
+    state.tokenize = ThreadPoolExecutor(1, thread_name_prefix="cachecraft-tokenize")
     loaded = engine.runner.loaded
     model_names = {loaded.name, *config.model_aliases}
     max_ctx = loaded.arch.max_position_embeddings
 
     # ---- errors -----------------------------------------------------------------------------
-    def err(status: int, message: str, type_: str, code: str | None = None, **headers: str):
-        return JSONResponse(error_body(message, type_, code), status_code=status, headers=headers)
+    def err(
+        status: int,
+        message: str,
+        type_: str,
+        code: str | None = None,
+        param: str | None = None,
+        **headers: str,
+    ) -> JSONResponse:
+        body = error_body(message, type_, code, param)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return err(400, _validation_message(exc), "invalid_request_error")
+        message, param = _validation_message(exc)
+        return err(400, message, "invalid_request_error", None, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Framework errors (unknown route, wrong method, unparsable body) in OpenAI's shape."""
+        status = exc.status_code
+        if status == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif status == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        type_ = "invalid_request_error" if status < 500 else "server_error"
+        return err(status, message, type_, _STATUS_CODES.get(status), None, **(exc.headers or {}))
 
     @app.exception_handler(ApiError)
     async def _api(_: Request, exc: ApiError) -> JSONResponse:
-        return err(exc.status, str(exc), exc.type, exc.code)
+        return err(exc.status, str(exc), exc.type, exc.code, exc.param)
 
     @app.exception_handler(CachecraftError)
     async def _bad(_: Request, exc: CachecraftError) -> JSONResponse:
@@ -118,12 +244,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def _stopped(_: Request, exc: EngineStopped) -> JSONResponse:
         return err(503, str(exc), "server_error")
 
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return err(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
-
-    app.add_middleware(_CountRequests, metrics=state.metrics)
+    app.add_middleware(_Guard, metrics=state.metrics, max_bytes=config.max_request_bytes)
 
     # ---- auth and namespaces ----------------------------------------------------------------
     keys = set(config.api_keys)
@@ -147,6 +268,37 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             return base
         return requested if base == "default" else f"{base}/{requested}"
 
+    def check_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
+        bad = unsupported_fields(body)
+        if bad:
+            raise ApiError(
+                400,
+                f"{', '.join(bad)}: not supported by this server (remove the field)",
+                "invalid_request_error",
+                "unsupported_field",
+                bad[0],
+            )
+        if isinstance(body, CompletionRequest):
+            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            texts = [("prompt", p) for p in prompts]
+        else:
+            texts = [("messages", m.text()) for m in body.messages]
+        num_chars = sum(len(t) for _, t in texts)
+        if num_chars > config.max_prompt_chars:
+            raise ApiError(
+                413,
+                f"{texts[0][0]} hold {num_chars} characters; at most {config.max_prompt_chars} "
+                "are allowed (max_prompt_chars)",
+                "invalid_request_error",
+                "prompt_too_large",
+                texts[0][0],
+            )
+
+    async def tokenized(rag: Any) -> Any:
+        """The request's layout (tokens, keys; context length checked) off the step thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(state.tokenize, engine.runner.layout, rag)
+
     def check_documents(documents: list[Document]) -> None:
         if len(documents) > config.max_documents:
             raise ApiError(
@@ -158,11 +310,12 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         for i, d in enumerate(documents):
             if len(d.text) > config.max_document_chars:
                 raise ApiError(
-                    400,
+                    413,
                     f"documents.{i} has {len(d.text)} characters; at most "
-                    f"{config.max_document_chars} are allowed",
+                    f"{config.max_document_chars} are allowed (max_document_chars)",
                     "invalid_request_error",
                     "document_too_large",
+                    f"documents.{i}.text",
                 )
 
     # ---- generation -------------------------------------------------------------------------
@@ -183,11 +336,14 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 f"cachecraft_mode {mode!r}: choose one of {', '.join(MODES)}",
                 "invalid_request_error",
             )
+        check_fields(body)
         check_documents(body.documents)
         ns = scoped(base_ns, body.cache_namespace)
         rag = to_rag(body, ns)
         sampling = sampling_of(body, config)
-        handle = engine.submit(rag, sampling, mode, loop=asyncio.get_running_loop())
+        layout = await tokenized(rag)
+        loop = asyncio.get_running_loop()
+        handle = engine.submit(rag, sampling, mode, loop=loop, layout=layout)
         chat = isinstance(body, ChatCompletionRequest)
         gen = Generation(state, handle, chat, body.model, ns, sampling.stop)
         try:
@@ -225,26 +381,40 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/chunks")
     async def add_chunks(body: ChunksRequest, ns: str = Depends(namespace)) -> dict[str, Any]:
         check_documents(body.documents)
+        if body.system is not None and len(body.system) > config.max_prompt_chars:
+            raise ApiError(
+                413,
+                f"system has {len(body.system)} characters; at most {config.max_prompt_chars} "
+                "are allowed (max_prompt_chars)",
+                "invalid_request_error",
+                "prompt_too_large",
+                "system",
+            )
         scope = scoped(ns, body.cache_namespace)
-        docs = [(d.text, d.id) for d in body.documents]
         store = engine.runner.store
-        rows = await chunks.precompute_async(
-            engine, store, state.registry, docs, scope, body.system, body.pin
-        )
+        rows = []
+        for d in body.documents:  # one engine call per document: generation interleaves
+            rag = chunks.precompute_request(d.text, d.id, scope, body.system)
+            layout = await tokenized(rag)
+            rows.append(
+                await chunks.precompute_async(engine, store, state.registry, rag, layout, body.pin)
+            )
         return {"object": "list", "data": rows}
 
     @app.get("/v1/chunks")
     async def list_chunks(
-        ns: str = Depends(namespace), cache_namespace: str | None = None
+        ns: str = Depends(namespace), cache_namespace: NamespaceQuery = None
     ) -> dict[str, Any]:
-        scope = scoped(ns, cache_namespace)
+        scope = scoped(ns, checked(cache_namespace))
         return chunks.list_chunks(engine.runner.store, state.registry, scope)
 
     @app.delete("/v1/chunks/{chunk_key}")
     async def delete_chunk(
-        chunk_key: str, ns: str = Depends(namespace), cache_namespace: str | None = None
+        chunk_key: Annotated[str, Path(max_length=128)],
+        ns: str = Depends(namespace),
+        cache_namespace: NamespaceQuery = None,
     ) -> dict[str, Any]:
-        scope = scoped(ns, cache_namespace)
+        scope = scoped(ns, checked(cache_namespace))
         if chunk_key not in state.registry.keys(scope):
             raise ApiError(
                 404, f"chunk {chunk_key} not found in this namespace", "invalid_request_error"
@@ -256,16 +426,32 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     # ---- operations -------------------------------------------------------------------------
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
+    async def health() -> JSONResponse:
+        """200 while the step thread is alive and no unit of its work has run longer than
+        `watchdog_s`; 503 (with the reason) otherwise, so a supervisor can restart us."""
+        live = engine.liveness()
+        problem = None
+        if not live.is_alive:
+            problem = "the engine step thread is not running"
+        elif live.busy_s is not None and live.busy_s > config.watchdog_s:
+            problem = f"the engine has been busy for {live.busy_s:.0f} s (watchdog_s)"
+        body = {
+            "status": "ok" if problem is None else "unavailable",
+            "reason": problem,
             "model": loaded.name,
             "mode": engine.config.mode,
             "num_waiting": engine.num_waiting,
             "num_running": engine.num_running,
+            "num_steps": live.num_steps,
+            "num_failed_requests": live.num_failed_requests,
         }
+        return JSONResponse(body, status_code=200 if problem is None else 503)
 
-    @app.get("/metrics")
+    async def metrics_access(request: Request) -> None:
+        if not config.metrics_public:
+            namespace(request)  # raises 401 without a valid key (when keys are configured)
+
+    @app.get("/metrics", dependencies=[Depends(metrics_access)])
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from cachecraft.engine.engine import Engine
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.reuse.layout import PromptLayout
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.meta import VariantMeta
 from cachecraft.store.variant import Variant
@@ -63,6 +64,11 @@ class PinnedStore:
         with self._lock:
             self._pinned[variant.variant_id] = variant
 
+    def pinned_nbytes(self, chunk_keys: set[str]) -> int:
+        """Bytes pinned for the given chunk keys (one tenant's share)."""
+        with self._lock:
+            return sum(v.nbytes for v in self._pinned.values() if v.chunk_key in chunk_keys)
+
     def pinned_keys(self) -> set[str]:
         with self._lock:
             return {v.chunk_key for v in self._pinned.values()}
@@ -109,43 +115,54 @@ class ChunkRegistry:
             return self._keys.get(namespace, {}).pop(chunk_key, None) is not None
 
 
+def precompute_request(
+    text: str, label: str | None, namespace: str, system: str | None
+) -> RagRequest:
+    """The request whose prefill computes one document's chunk-cache after `system`."""
+    return RagRequest(".", [Chunk(text, label)], system=system, namespace=namespace)
+
+
 def precompute(
     engine: Engine,
     store: PinnedStore,
     registry: ChunkRegistry,
-    documents: list[tuple[str, str | None]],
-    namespace: str,
-    system: str | None,
+    request: RagRequest,
+    layout: PromptLayout | None,
     pin: bool,
-) -> list[dict[str, Any]]:
-    """Step thread: compute each document alone after the system prompt and store it.
+) -> dict[str, Any]:
+    """Step thread: compute one document alone after the system prompt and store it.
 
     An explicit precompute is demand enough: a first offer turned away by the doorkeeper
-    (chunk seen once) is repeated."""
-    runner, rows = engine.runner, []
-    for text, label in documents:
-        request = RagRequest(".", [Chunk(text, label)], system=system, namespace=namespace)
-        job = runner.start(runner.plan(request, "cachecraft", lookup=False))
-        outcome = runner.finish(job, runner.loaded.model.forward_step([job.work])[0])
-        variant = outcome.variants[-1]
-        stored = store.offer(variant) or store.offer(variant)
-        if pin:
-            store.pin(variant)
-        registry.add(namespace, variant.chunk_key, label, variant.meta.num_tokens)
-        rows.append(
-            {
-                "id": label,
-                "chunk_key": variant.chunk_key,
-                "variant_id": variant.variant_id,
-                "num_tokens": variant.meta.num_tokens,
-                "stored": stored,
-                "pinned": pin,
-            }
-        )
-    return rows
+    (chunk seen once) is repeated. A disk write that failed (full, unwritable) is reported in
+    `not_stored_reason`; the variant may still be served from memory (`stored`)."""
+    runner = engine.runner
+    job = runner.start(runner.plan(request, "cachecraft", lookup=False, layout=layout))
+    outcome = runner.finish(job, runner.loaded.model.forward_step([job.work])[0])
+    variant = outcome.variants[-1]
+    disk = getattr(store, "disk", None)  # TieredStore's disk tier, if any
+    errors_before = getattr(disk, "num_write_errors", 0)
+    stored = store.offer(variant) or store.offer(variant)
+    reason = None
+    if disk is not None and disk.num_write_errors > errors_before:
+        reason = f"disk write failed: {disk.last_write_error}"
+    if pin:
+        store.pin(variant)
+    label = request.chunks[0].id
+    registry.add(request.namespace, variant.chunk_key, label, variant.meta.num_tokens)
+    row: dict[str, Any] = {
+        "id": label,
+        "chunk_key": variant.chunk_key,
+        "variant_id": variant.variant_id,
+        "num_tokens": variant.meta.num_tokens,
+        "stored": stored or pin,
+        "pinned": pin,
+    }
+    if reason is not None or not (stored or pin):
+        row["not_stored_reason"] = reason or "the store turned the variant away (capacity)"
+    return row
 
 
-async def precompute_async(engine: Engine, *args: Any) -> list[dict[str, Any]]:
+async def precompute_async(engine: Engine, *args: Any) -> dict[str, Any]:
     return await asyncio.wrap_future(engine.call(lambda: precompute(engine, *args)))
 
 
@@ -167,5 +184,12 @@ def list_chunks(store: PinnedStore, registry: ChunkRegistry, namespace: str) -> 
                 ],
             }
         )
-    st = store.stats()
-    return {"object": "list", "data": data, "stats": st.as_dict() if st is not None else None}
+    # Only this namespace's own figures: whole-store numbers (other tenants' bytes) are for
+    # operators, on /metrics.
+    stats = {
+        "num_chunks": len(data),
+        "num_variants": sum(d["num_variants"] for d in data),
+        "num_pinned": sum(1 for d in data if d["pinned"]),
+        "pinned_bytes": store.pinned_nbytes({d["chunk_key"] for d in data}),
+    }
+    return {"object": "list", "data": data, "stats": stats}

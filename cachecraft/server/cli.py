@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cachecraft.config import MODES
 from cachecraft.engine.engine import EngineConfig
+from cachecraft.errors import StoreUnavailableError
 from cachecraft.server.config import ServerConfig
 from cachecraft.store.config import StoreConfig
 
@@ -42,6 +43,35 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--token-budget", type=int, default=engine.token_budget)
     p.add_argument("--max-documents", type=int, default=server.max_documents)
     p.add_argument("--max-document-chars", type=int, default=server.max_document_chars)
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=server.max_prompt_chars,
+        help="characters of message / prompt / system text per request (413 above)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=server.max_request_bytes,
+        help="request body size (413 above)",
+    )
+    p.add_argument(
+        "--watchdog-s",
+        type=float,
+        default=server.watchdog_s,
+        help="/health answers 503 when one engine step runs longer than this",
+    )
+    p.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without an API key (default: a key is needed when keys are set)",
+    )
+    p.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=server.shutdown_timeout_s,
+        help="on SIGTERM/SIGINT, how long open requests may still run",
+    )
     p.add_argument("--config", default=None, help="calibration file (default ./cachecraft.json)")
     p.add_argument("--alpha", type=float, default=None, help="override the CFO alpha")
     p.add_argument("--log-level", default="info")
@@ -61,7 +91,12 @@ def main_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     cache_dir = args.cache_dir or None
     if cache_dir is not None:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreUnavailableError(
+                f"cannot create the cache directory {cache_dir}: {e}"
+            ) from None
     serve(
         args.mode,
         host=args.host,
@@ -74,6 +109,11 @@ def main_serve(args: argparse.Namespace) -> int:
             share_namespace=args.share_namespace,
             max_documents=args.max_documents,
             max_document_chars=args.max_document_chars,
+            max_prompt_chars=args.max_prompt_chars,
+            max_request_bytes=args.max_request_bytes,
+            watchdog_s=args.watchdog_s,
+            metrics_public=args.metrics_public,
+            shutdown_timeout_s=args.shutdown_timeout_s,
         ),
         store=StoreConfig(
             memory_bytes=args.memory_bytes, cache_dir=cache_dir, redis_url=args.redis_url

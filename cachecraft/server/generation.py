@@ -20,12 +20,13 @@ from cachecraft.engine.handle import Failed, Finished, Planned, RequestHandle, T
 from cachecraft.engine.report import RequestReport
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.engine.text import TextStream
-from cachecraft.errors import BadRequestError
+from cachecraft.errors import BadRequestError, CachecraftError
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Document,
+    error_body,
     usage,
 )
 
@@ -209,7 +210,8 @@ async def _sse(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
         yield event(last)
         yield "data: [DONE]\n\n"
     except Exception as e:  # headers are gone: report in-band, as OpenAI does
-        yield event({"error": {"message": str(e), "type": "server_error"}})
+        type_ = "invalid_request_error" if isinstance(e, CachecraftError) else "server_error"
+        yield event(error_body(f"{type(e).__name__}: {e}", type_))
     finally:
         if not gen.handle.is_done:  # client went away mid-stream
             gen.handle.abort()

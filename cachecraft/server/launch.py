@@ -54,8 +54,14 @@ def close_engine(engine: Engine) -> None:
         close()
 
 
-def _uvicorn(app: Any, log_level: str) -> uvicorn.Server:
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off")
+def _uvicorn(app: Any, log_level: str, shutdown_timeout_s: float) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=shutdown_timeout_s,
+    )
     return uvicorn.Server(config)
 
 
@@ -70,8 +76,20 @@ def start_server(
     """Serve on 127.0.0.1:<free port> in a thread; yields "http://127.0.0.1:PORT".
     engine_kw go to `build_engine` (model, loaded, reuse, store, engine)."""
     engine = build_engine(mode, **engine_kw)
-    app = create_app(engine, server)
-    uv = _uvicorn(app, log_level)
+    try:
+        app = create_app(engine, server)
+        with serve_app(app, log_level) as url:
+            yield url
+    finally:
+        close_engine(engine)
+
+
+@contextlib.contextmanager
+def serve_app(app: Any, log_level: str = "warning") -> Iterator[str]:
+    """Serve an app made by `create_app` on a free loopback port in a thread (its engine is
+    the caller's to stop); yields the base URL."""
+    config: ServerConfig = app.state.config
+    uv = _uvicorn(app, log_level, config.shutdown_timeout_s)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -87,9 +105,9 @@ def start_server(
         yield f"http://127.0.0.1:{port}"
     finally:
         uv.should_exit = True
-        thread.join(10)
+        thread.join(10 + config.shutdown_timeout_s)
         sock.close()
-        close_engine(engine)
+        app.state.tokenize.shutdown(wait=False)
 
 
 def serve(
@@ -101,13 +119,24 @@ def serve(
     log_level: str = "info",
     **engine_kw: Any,
 ) -> None:
-    """Serve in the foreground until interrupted."""
+    """Serve in the foreground until SIGTERM / SIGINT; open requests get
+    `shutdown_timeout_s` to finish (those waiting on a dead engine are failed at once), so
+    stopping always ends."""
+    server = server or ServerConfig()
     engine = build_engine(mode, **engine_kw)
     app = create_app(engine, server)
     loaded = engine.runner.loaded
     log.info("serving %s (mode %s) on http://%s:%d", loaded.name, mode, host, port)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="off",
+        timeout_graceful_shutdown=server.shutdown_timeout_s,
+    )
     try:
         uvicorn.Server(config).run()
     finally:
         close_engine(engine)
+        app.state.tokenize.shutdown(wait=False)

@@ -1,33 +1,54 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic) plus our extensions.
 
-Unknown OpenAI fields are accepted and ignored (extra="allow"); the fields we use are typed and
-validated. Extensions: `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`.
+Unknown fields are accepted and ignored (extra="allow"), except the OpenAI fields this server
+cannot honour (`unsupported_fields`: logprobs, tools, response_format, ...), which are refused
+by name as vLLM does. Every string must be encodable UTF-8 (no lone surrogates such as
+"\\ud800"). Extensions: `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
-    StrictStr,
     field_validator,
 )
+from pydantic import StrictStr as _StrictStr
+
+
+def check_utf8(text: str) -> str:
+    """Refuse strings that cannot be encoded as UTF-8 (lone surrogates from JSON escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"not valid Unicode text: lone surrogate {text[e.start]!r} at index {e.start}"
+        ) from None
+    return text
+
+
+StrictStr = Annotated[_StrictStr, AfterValidator(check_utf8)]
+"""A JSON string that is valid Unicode (what the tokenizer and every response can carry)."""
 
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+MAX_ID_CHARS = 256
+
+
 class Document(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    id: StrictStr | None = None
-    text: StrictStr
+    id: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
+    text: StrictStr = Field(min_length=1)
 
 
 class TextPart(_Lenient):
@@ -51,28 +72,40 @@ class StreamOptions(_Lenient):
     include_usage: StrictBool = False
 
 
+StopStr = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+MIN_TEMPERATURE = 1e-3  # below it softmax(logits / t) overflows to inf / nan
+
+
 class _Generation(_Lenient):
-    model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    model: StrictStr = Field(max_length=MAX_ID_CHARS)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31)
     temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
     top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     n: StrictInt | None = Field(default=None, ge=1, le=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     documents: list[Document] = Field(default_factory=list)
     cache_namespace: StrictStr | None = Field(default=None, min_length=1, max_length=128)
-    cachecraft_mode: StrictStr | None = None
+    cachecraft_mode: StrictStr | None = Field(default=None, max_length=64)
     ignore_eos: StrictBool = False
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StopStr | list[StopStr] | None = Field(default=None, max_length=4)
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v: float | None) -> float | None:
+        if v is not None and 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"give 0 (greedy) or a temperature of at least {MIN_TEMPERATURE}")
+        return v
 
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         items = [v] if isinstance(v, str) else v or []
-        if len(items) > 4 or any(not s for s in items):
-            raise ValueError("give at most 4 non-empty stop strings")
+        if len(items) > 4 or any(not s or len(s) > 256 for s in items):
+            raise ValueError("give at most 4 non-empty stop strings of at most 256 characters")
         return v
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -95,6 +128,40 @@ class ChunksRequest(BaseModel):
     cache_namespace: StrictStr | None = Field(default=None, min_length=1, max_length=128)
     system: StrictStr | None = None
     pin: StrictBool = False
+
+
+# OpenAI fields this server cannot honour, with the values that mean "not asked for".
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
+
+
+def unsupported_fields(body: BaseModel) -> list[str]:
+    """Names of fields in the request that ask for something this server does not do."""
+    extra = body.model_extra or {}
+    bad = []
+    for name, harmless in _UNSUPPORTED.items():
+        if name in extra and not any(
+            type(extra[name]) is type(h) and extra[name] == h or extra[name] is h for h in harmless
+        ):
+            bad.append(name)
+    return bad
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None):

@@ -1,7 +1,9 @@
-"""`cachecraft chunks ls|stats|rm|clear --cache-dir DIR`: inspect and prune a disk store.
+"""`cachecraft chunks ls|stats|rm|clear|reindex --cache-dir DIR`: inspect, prune or repair a
+disk store.
 
 Owns argument parsing and output (rich table or --json) for the chunk-cache directory; all
-work is done by `DiskTier`. Wire it with `add_chunks_parser(subparsers)`.
+work is done by `DiskTier`. `ls` and `stats` open it read-only: they never create, recover,
+checkpoint or truncate anything. Wire it with `add_chunks_parser(subparsers)`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
+from cachecraft.errors import StoreUnavailableError
 from cachecraft.store.disk import DiskTier
+
+READ_ONLY = ("ls", "stats")
 
 
 def add_chunks_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,6 +27,7 @@ def add_chunks_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         ("stats", "totals of the directory"),
         ("rm", "remove every variant of the given chunk keys"),
         ("clear", "remove every variant"),
+        ("reindex", "rebuild the index from the files' headers (never deletes a file)"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--cache-dir", required=True, help="the store's cache_dir")
@@ -35,8 +41,9 @@ def add_chunks_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 def chunks_command(command: str, cache_dir: str, chunk_keys: list[str] | None = None) -> object:
     """Run one sub-command; returns what it prints (rows, a totals dict, or a removal count)."""
     if not Path(cache_dir).is_dir():
-        raise FileNotFoundError(f"no chunk-cache directory at {cache_dir}")
-    tier = DiskTier(cache_dir, capacity_bytes=1 << 62)  # capacity is irrelevant for reading
+        raise StoreUnavailableError(f"no chunk-cache directory at {cache_dir}")
+    # capacity is irrelevant here: nothing is written but removals and index rows
+    tier = DiskTier(cache_dir, capacity_bytes=1 << 62, read_only=command in READ_ONLY)
     try:
         if command == "ls":
             return tier.rows()
@@ -48,12 +55,14 @@ def chunks_command(command: str, cache_dir: str, chunk_keys: list[str] | None = 
                 "num_chunks": len({r["chunk_key"] for r in rows}),
                 "bytes": sum(int(r["file_size"]) for r in rows),  # type: ignore[call-overload]
                 "hits": sum(int(r["hits"]) for r in rows),  # type: ignore[call-overload]
-                "recovered": tier.recovery._asdict(),
+                "unindexed_files": tier.num_unindexed_files(),
             }
         if command == "rm":
             return {"removed": sum(tier.remove_chunk(k) for k in chunk_keys or [])}
         if command == "clear":
             return {"removed": tier.clear()}
+        if command == "reindex":
+            return {"recovered": tier.recovery._asdict(), **tier.reindex()._asdict()}
         raise ValueError(f"unknown chunks command {command!r}")
     finally:
         tier.close()

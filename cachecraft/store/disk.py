@@ -3,6 +3,13 @@
 Owns files and rows under one directory, their atomic writes (temp, fsync, rename inside the
 SQLite write lock), checksums on every read and crash recovery. Several processes may share the
 directory. It never chooses victims itself: the caller passes a `choose` function.
+
+Faults: a write that fails (disk full, unwritable) removes its temp file and reports "not
+stored" (`put` -> None, `last_write_error`), never raises; a directory that cannot be used
+raises StoreUnavailableError in one line; each file's safetensors header carries everything its
+index row holds, so a lost or stale index is rebuilt from the files (`reindex`, and on open for
+files the index does not know), never by deleting them. `read_only=True` opens an existing
+index without creating, recovering or checkpointing anything (the CLI's ls / stats).
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as st_save
 
+from cachecraft.errors import StoreUnavailableError
 from cachecraft.store import codec
 from cachecraft.store.layers import FileLayerReader
 from cachecraft.store.meta import VariantMeta
@@ -39,15 +48,30 @@ CREATE TABLE IF NOT EXISTS variants (
 CREATE INDEX IF NOT EXISTS variants_chunk ON variants(chunk_key);
 """
 SUFFIX = ".safetensors"
+INDEX = "index.sqlite"
 Chooser = Callable[[list[VariantStats], int], list[VariantStats] | None]
 
 
 class Recovery(NamedTuple):
-    """What opening the directory cleaned up."""
+    """What opening the directory cleaned up: dead processes' temp files removed, files the
+    index did not know adopted from their headers (undecodable ones removed: nothing could
+    serve them), rows whose file is gone dropped."""
 
     temp_files: int
     orphan_files: int
     rows_without_file: int
+    adopted_files: int = 0
+
+
+class Reindex(NamedTuple):
+    """What `reindex` did: rows kept (file matches), rows rebuilt from headers, undecodable
+    files left alone (counted, not deleted), rows dropped (file gone)."""
+
+    num_files: int
+    kept: int
+    rebuilt: int
+    unreadable: int
+    dropped_rows: int
 
 
 def _pid_alive(pid: int) -> bool:
@@ -65,23 +89,54 @@ class DiskTier:
 
     name = "disk"
 
-    def __init__(self, root: str | Path, capacity_bytes: int, int8: bool = False) -> None:
+    def __init__(
+        self, root: str | Path, capacity_bytes: int, int8: bool = False, read_only: bool = False
+    ) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.int8 = int8
+        self.read_only = read_only
         self.num_corrupt = 0
+        self.num_write_errors = 0
+        self.last_write_error: str | None = None
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(
-            self.root / "index.sqlite", timeout=30.0, check_same_thread=False, isolation_level=None
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self.recovery = Recovery(0, 0, 0)
+        try:
+            self._db = self._connect()
+            if not read_only:
+                self.recovery = self.recover()
+        except (OSError, sqlite3.Error) as e:
+            what = "read" if read_only else "use"
+            raise StoreUnavailableError(
+                f"cannot {what} the chunk-cache directory {self.root}: {e}"
+            ) from None
+
+    def _connect(self) -> sqlite3.Connection:
+        path = self.root / INDEX
+        if self.read_only:
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"no index ({INDEX}); `cachecraft chunks reindex` rebuilds it"
+                )
+            # mode=ro never creates the index, checkpoints or truncates the WAL. Without a WAL
+            # (no writer open, all checkpointed) immutable=1 also keeps SQLite from creating
+            # -wal / -shm files: the listing then changes nothing at all on disk.
+            wal = path.with_name(INDEX + "-wal").exists()
+            uri = f"file:{path.resolve()}?mode=ro" + ("" if wal else "&immutable=1")
+            db = sqlite3.connect(uri, uri=True, timeout=30.0, check_same_thread=False)
+            db.execute("PRAGMA busy_timeout=30000")
+            return db
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise PermissionError(f"the directory is not writable ({self.root})")
+        db = sqlite3.connect(path, timeout=30.0, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA busy_timeout=30000")
+        db.execute("PRAGMA synchronous=NORMAL")
         for stmt in SCHEMA.strip().split(";"):
             if stmt.strip():
-                self._db.execute(stmt)
-        self.recovery = self.recover()
+                db.execute(stmt)
+        return db
 
     # -- transactions ---------------------------------------------------------------------
     @contextmanager
@@ -107,8 +162,9 @@ class DiskTier:
 
     # -- recovery -------------------------------------------------------------------------
     def recover(self) -> Recovery:
-        """Remove dead processes' temp files, files without a row and rows without a file."""
-        temp = orphans = rowless = 0
+        """Remove dead processes' temp files and rows without a file; adopt files without a
+        row from their headers (a lost index loses nothing), removing only undecodable ones."""
+        temp = orphans = rowless = adopted = 0
         with self._write() as db:
             for path in self.root.glob(".*.tmp"):
                 pid = int(path.name.split(".")[2]) if path.name.count(".") >= 3 else -1
@@ -119,14 +175,74 @@ class DiskTier:
             files = {p.name for p in self.root.glob("*" + SUFFIX)}
             rows = dict(db.execute("SELECT file, variant_id FROM variants").fetchall())
             for name in sorted(files - rows.keys()):
-                logger.warning("removing %s: not in the index", name)
+                if self._adopt(db, name):
+                    adopted += 1
+                    continue
+                logger.warning("removing %s: not in the index and not a readable variant", name)
                 (self.root / name).unlink(missing_ok=True)
                 orphans += 1
             for name in sorted(rows.keys() - files):
                 logger.warning("dropping index row %s: its file is missing", rows[name])
                 db.execute("DELETE FROM variants WHERE variant_id=?", (rows[name],))
                 rowless += 1
-        return Recovery(temp, orphans, rowless)
+        if adopted:
+            logger.warning("re-indexed %d variant files the index did not know", adopted)
+        return Recovery(temp, orphans, rowless, adopted)
+
+    def _adopt(self, db: sqlite3.Connection, name: str) -> bool:
+        """Insert (or replace) the row of file `name` from its bytes and header (hit statistics
+        start at zero); False if the file cannot be decoded or is not named after its id."""
+        path = self.root / name
+        try:
+            data = path.read_bytes()
+            variant = codec.from_bytes(data)
+            header_len = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8 : 8 + header_len])["__metadata__"]
+            tensors = safetensors_load(data)
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning("cannot read %s: %s", name, exc)
+            return False
+        vid = variant.variant_id
+        if name != vid + SUFFIX:
+            logger.warning("%s holds variant %s: not adopted", name, vid)
+            return False
+        db.execute(
+            "INSERT OR REPLACE INTO variants (variant_id, chunk_key, file, file_size, checksum,"
+            " tensor_sums, meta, num_tokens, nbytes) VALUES (?,?,?,?,?,?,?,?,?)",
+            (
+                vid, variant.chunk_key, name, len(data), codec.checksum(data),
+                json.dumps(codec.tensor_checksums(tensors)), header["meta"],
+                variant.meta.num_tokens, variant.nbytes,
+            ),
+        )  # fmt: skip
+        return True
+
+    def reindex(self) -> Reindex:
+        """Rebuild the index from the files: rows whose file still matches its checksum are
+        kept (with their statistics), others rebuilt from the file's header, rows without a file
+        dropped. Files that cannot be decoded are counted and left in place."""
+        kept = rebuilt = unreadable = dropped = 0
+        with self._write() as db:
+            files = sorted(p.name for p in self.root.glob("*" + SUFFIX))
+            rows = dict(db.execute("SELECT file, checksum FROM variants").fetchall())
+            for name in files:
+                want = rows.get(name)
+                if want is not None:
+                    try:
+                        if codec.checksum((self.root / name).read_bytes()) == want:
+                            kept += 1
+                            continue
+                    except OSError:
+                        pass
+                if self._adopt(db, name):
+                    rebuilt += 1
+                else:
+                    unreadable += 1
+                    db.execute("DELETE FROM variants WHERE file=?", (name,))
+            for name in sorted(rows.keys() - set(files)):
+                db.execute("DELETE FROM variants WHERE file=?", (name,))
+                dropped += 1
+        return Reindex(len(files), kept, rebuilt, unreadable, dropped)
 
     # -- reads ----------------------------------------------------------------------------
     def metas(self, chunk_key: str) -> list[VariantMeta]:
@@ -144,6 +260,11 @@ class DiskTier:
     @property
     def nbytes(self) -> int:
         return int(self._query("SELECT COALESCE(SUM(file_size), 0) FROM variants")[0][0])
+
+    def num_unindexed_files(self) -> int:
+        """Variant files without an index row (adopted at the next writable open)."""
+        files = {p.name for p in self.root.glob("*" + SUFFIX)}
+        return len(files - {f for (f,) in self._query("SELECT file FROM variants")})
 
     def chunk_keys(self) -> list[str]:
         return [c for (c,) in self._query("SELECT DISTINCT chunk_key FROM variants ORDER BY 1")]
@@ -228,14 +349,38 @@ class DiskTier:
     # -- writes ---------------------------------------------------------------------------
     def put(self, variant: Variant, stats: VariantStats, choose: Chooser) -> list[str] | None:
         """Write the variant atomically, evicting what `choose(residents, need_bytes)` picks.
-        Returns the evicted ids, or None if it was not stored (too big, or `choose` refused)."""
+        Returns the evicted ids, or None if it was not stored (too big, `choose` refused, or
+        the write failed: then `last_write_error` says why and no temp file is left)."""
+        if self.read_only:
+            raise StoreUnavailableError(f"{self.root} was opened read-only")
         tensors, header = codec.encode(variant, self.int8)
         data = st_save(tensors, metadata=header)
         if len(data) > self.capacity_bytes:
             return None
         vid = variant.variant_id
-        file = vid + SUFFIX
         tmp = self.root / f".{vid}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            return self._put_file(variant, stats, choose, tensors, header, data, tmp)
+        except (OSError, sqlite3.Error) as e:
+            self.num_write_errors += 1
+            self.last_write_error = f"{type(e).__name__}: {e}"
+            logger.warning("variant %s not written to %s: %s", vid, self.root, e)
+            return None
+        finally:
+            tmp.unlink(missing_ok=True)  # absent after a rename; a leftover after any failure
+
+    def _put_file(
+        self,
+        variant: Variant,
+        stats: VariantStats,
+        choose: Chooser,
+        tensors: dict[str, torch.Tensor],
+        header: dict[str, str],
+        data: bytes,
+        tmp: Path,
+    ) -> list[str] | None:
+        vid = variant.variant_id
+        file = vid + SUFFIX
         with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -264,11 +409,7 @@ class DiskTier:
                     ),
                 )  # fmt: skip
         except _Refused:
-            tmp.unlink(missing_ok=True)
             return None
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
         self._fsync_dir()
         return evicted
 
