@@ -114,7 +114,31 @@ class Runner:
     # ---- KV assembly ----------------------------------------------------------------------
     def start(self, plan: RecomputePlan, extra_capacity: int = 0, t_start: float | None = None):
         """Splice the KV, run the plan's probe (if any), build the SeqWork. A variant that
-        cannot be loaded becomes a miss; a prefix the cache dropped is computed."""
+        cannot be loaded becomes a miss; a prefix the cache dropped is computed. A chunk-cache
+        found corrupt while the probe reads it (the store drops it) becomes a miss too."""
+        for _ in range(len(plan.chunks) + 1):
+            try:
+                return self._start(plan, extra_capacity, t_start)
+            except CorruptVariantError:
+                gone = self._gone(plan)
+                if not gone:
+                    raise
+                log.warning("a chunk-cache was corrupt; computing its chunk in full")
+                for i in gone:
+                    plan = as_miss(plan, i)
+        raise AssertionError("unreachable")
+
+    def _gone(self, plan: RecomputePlan) -> list[int]:
+        """Chunks whose planned variant the store no longer lists."""
+        out = []
+        for i, cp in enumerate(plan.chunks):
+            if cp.variant is not None:
+                ids = {v.variant_id for v in self.store.variants(cp.slot.key)}
+                if cp.variant.variant_id not in ids:
+                    out.append(i)
+        return out
+
+    def _start(self, plan: RecomputePlan, extra_capacity: int, t_start: float | None):
         t0 = time.perf_counter() if t_start is None else t_start
         m, layout = self.loaded, plan.layout
         kv = KVCache(m.arch, layout.num_tokens + extra_capacity, m.model.dtype, m.model.device)
@@ -130,7 +154,11 @@ class Runner:
                 plan = as_miss(plan, i)
         probe_rows = 0
         if not plan.is_resolved:
-            loader.fill_all()  # the probe reads every layer of the reused chunks up front
+            try:
+                loader.fill_all()  # the probe reads every layer of the reused chunks up front
+            except CorruptVariantError:
+                loader.close()
+                raise
             probe_rows = plan.num_probe_rows
             plan = resolve_probe(plan, probe_attention(m.model, kv, plan))
         positions = torch.tensor(plan.rows(), dtype=torch.long)
