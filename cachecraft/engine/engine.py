@@ -269,6 +269,25 @@ class Engine:
             if state is not None and live.outcome is not None and not state.output_ids:
                 self._fail(rid, RuntimeError("the engine step failed for this request"))
 
+    def _start(self, live: _Live) -> None:
+        """Plan again (variants stored while this request waited, by requests admitted before
+        it, become hits; metadata only, so cheap) and splice its KV. A chunk-cache found corrupt
+        while splicing (a probe reads every layer up front) was dropped by the store, so
+        planning once more makes it a miss."""
+        assert live.state is not None
+        for attempt in range(2):
+            live.plan = self._plan(live)
+            try:
+                live.job = self.runner.start(live.plan, live.state.max_tokens, live.t_submit)
+                return
+            except CorruptVariantError:
+                if attempt:
+                    raise
+                log.warning(
+                    "request %s: a chunk-cache was corrupt; planning it again",
+                    live.handle.request_id,
+                )
+
     def _plan(self, live: _Live) -> RecomputePlan:
         return self.runner.plan(live.request, live.mode, live.budgets, layout=live.layout)
 
@@ -301,9 +320,8 @@ class Engine:
                     if failed_alone and attempt == 0:
                         continue  # it already failed alone once; start afresh right away
                     self._close_loader(live)
-                    live.plan = self._plan(live)
-                    assert live.state is not None
-                    live.job = self.runner.start(live.plan, live.state.max_tokens, live.t_submit)
+                    self._start(live)
+                    assert live.job is not None
                     work = live.job.work
                 return self.runner.loaded.model.forward_step([work])[0]
             except CorruptVariantError as e:
@@ -383,10 +401,7 @@ class Engine:
             live = self._live[rid]
             assert live.plan is not None and live.state is not None
             try:
-                # Plan again now: variants stored while this request waited (by requests
-                # admitted before it) become hits. Metadata only, so cheap.
-                live.plan = self._plan(live)
-                live.job = self.runner.start(live.plan, live.state.max_tokens, live.t_submit)
+                self._start(live)
             except Exception as e:
                 self._fail(rid, e)
                 continue

@@ -156,7 +156,7 @@ class Runner:
         if not plan.is_resolved:
             try:
                 loader.fill_all()  # the probe reads every layer of the reused chunks up front
-            except CorruptVariantError:
+            except Exception:
                 loader.close()
                 raise
             probe_rows = plan.num_probe_rows
@@ -315,11 +315,12 @@ class Runner:
         again (that chunk becomes a miss), never served from bad bytes."""
         t0 = time.perf_counter()
         for attempt in range(2):
-            job = self.start(self.plan(request, mode, budgets), extra_capacity, t0)
+            job = None
             try:
+                job = self.start(self.plan(request, mode, budgets), extra_capacity, t0)
                 result = self.loaded.model.forward_step([job.work])[0]
             except CorruptVariantError:
-                if job.loader is not None:
+                if job is not None and job.loader is not None:
                     job.loader.close()
                 if attempt:
                     raise
