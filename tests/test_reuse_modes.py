@@ -252,3 +252,15 @@ def test_resolve_rejects_attention_of_the_wrong_shape() -> None:
 def test_bad_settings_are_clear_errors(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         plan("cachecraft", {}, layout("A"), ReuseConfig(**bad))
+
+
+def test_a_vanished_probed_chunk_leaves_the_probe_budget() -> None:
+    from cachecraft.reuse.planner import as_miss
+
+    lay = layout("X", "A", "B")
+    variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",))]}
+    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0))
+    a_budget = p.chunks[1].budget
+    q = as_miss(p, 1)
+    assert q.chunks[1].reason == "vanished" and q.probe.total == p.probe.total - a_budget
+    assert as_miss(q, 2).probe is None  # nothing left to probe

@@ -84,10 +84,17 @@ def resolve_probe(
 
 
 def as_miss(plan: RecomputePlan, index: int) -> RecomputePlan:
-    """The plan with chunk `index` computed in full (its variant could not be loaded)."""
+    """The plan with chunk `index` computed in full (its variant could not be loaded); a
+    probe's budget loses that chunk's share, and goes when no chunk is left to probe."""
     chunks = list(plan.chunks)
-    chunks[index] = miss(chunks[index].slot, "vanished")
-    return replace(plan, chunks=mark_exact(chunks, plan.layout))
+    old = chunks[index]
+    chunks[index] = miss(old.slot, "vanished")
+    probe = plan.probe
+    if probe is not None and old.select == "probe":
+        probe = replace(probe, total=max(probe.total - old.budget, 0))
+        if not any(c.select == "probe" for c in chunks):
+            probe = None
+    return replace(plan, chunks=mark_exact(chunks, plan.layout), probe=probe)
 
 
 def without_prefix_hit(plan: RecomputePlan) -> RecomputePlan:
