@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
+from plan_helpers import make_layout
 
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.reuse.keys import chunk_key, prefix_key
-from cachecraft.reuse.plan import ChunkSlot, PromptLayout, RecomputePlan
+from cachecraft.reuse.plan import PromptLayout, RecomputePlan
 from cachecraft.reuse.planner import (
     as_miss,
     choose_variant,
@@ -29,12 +30,7 @@ B_SCORES = (0.1, 0.5, 0.3, 0.5, 0.2)
 
 
 def layout(*keys: str, prefix: str = "P") -> PromptLayout:
-    start, slots = 3, []
-    for i, key in enumerate(keys):
-        ids = tuple(range(100 * (i + 1), 100 * (i + 1) + SIZES[key]))
-        slots.append(ChunkSlot(key=key, label=None, token_ids=ids, start=start))
-        start += SIZES[key]
-    return PromptLayout(prefix, (1, 2, 3), tuple(slots), (9, 9))
+    return make_layout(keys, SIZES, prefix)
 
 
 def variant(

@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from plan_helpers import make_layout
 
 from cachecraft.config import ReuseConfig
-from cachecraft.reuse.plan import ChunkSlot, PromptLayout, RecomputePlan
+from cachecraft.reuse.plan import PromptLayout, RecomputePlan
 from cachecraft.reuse.planner import plan_request, resolve_probe
 from cachecraft.reuse.variant_choice import choose_variant, honest_overlap
 from cachecraft.store.meta import VariantMeta
@@ -21,12 +22,7 @@ SIZES = {"A": 4, "B": 5, "C": 3, "X": 6, "Y": 6}
 
 
 def layout(*keys: str, prefix: str = "P") -> PromptLayout:
-    start, slots = 3, []
-    for i, key in enumerate(keys):
-        ids = tuple(range(100 * (i + 1), 100 * (i + 1) + SIZES[key]))
-        slots.append(ChunkSlot(key=key, label=None, token_ids=ids, start=start))
-        start += SIZES[key]
-    return PromptLayout(prefix, (1, 2, 3), tuple(slots), (9, 9))
+    return make_layout(keys, SIZES, prefix)
 
 
 def variant(key, s_old=(), inter=(), cci=0.8, prefix="P", exact=True, scores=None) -> VariantMeta:

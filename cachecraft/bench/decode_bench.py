@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import subprocess
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from cachecraft.bench.peer_vllm import vllm_env
 from cachecraft.engine.engine import Engine, EngineConfig
 from cachecraft.engine.handle import Failed, Finished
 from cachecraft.engine.runner import Runner
@@ -146,14 +146,7 @@ def vllm_step_ms(
     with tempfile.TemporaryDirectory(prefix="cachecraft-vllm-decode-") as tmp:
         script = Path(tmp) / "vllm_decode.py"
         script.write_text(_VLLM_SCRIPT)
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(threads),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_CPU_KVCACHE_SPACE": "2",
-            "VLLM_CACHE_ROOT": str(Path(tmp) / "cache"),
-        }
-        env.pop("PYTHONPATH", None)
+        env = vllm_env(threads, 2, Path(tmp) / "cache")
         done = subprocess.run(
             [str(python), str(script), json.dumps(cfg)],
             capture_output=True,

@@ -47,6 +47,21 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+def vllm_env(num_threads: int, kvcache_gib: float, cache_root: Path) -> dict[str, str]:
+    """The environment of a vLLM child process: our environment plus the settings that make
+    the comparison fair on this CPU (all cores, a fixed KV space, a private cache directory),
+    without our PYTHONPATH (never leak our venv's packages into the peer)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(num_threads),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
+        "VLLM_CACHE_ROOT": str(cache_root),
+    }
+    env.pop("PYTHONPATH", None)
+    return env
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the caller binds it soon after)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -131,14 +146,7 @@ class VllmServer:
             self.model_dir = resolve_model_dir(None)
         self.port = free_port()
         self._tmp = Path(tempfile.mkdtemp(prefix="cachecraft-vllm-"))
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(self.num_threads),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib),
-            "VLLM_CACHE_ROOT": str(self._tmp / "cache"),
-        }
-        env.pop("PYTHONPATH", None)  # never leak our venv's packages into the peer
+        env = vllm_env(self.num_threads, self.kvcache_gib, self._tmp / "cache")
         logger.info("starting vLLM on port %d (log %s)", self.port, self.log_path)
         t0 = time.perf_counter()
         try:

@@ -53,28 +53,20 @@ def make_variants(
         positions = torch.arange(slot.start, slot.end, device=kv.k.device)
         keys = rope.unrotate(kv.k[:, :, slot.start : slot.end], positions).to(storage_dtype)
         values = kv.v[:, :, slot.start : slot.end].to(storage_dtype, copy=True)
-        if span_mass is None:
-            meta = VariantMeta(
-                chunk_key=slot.key,
-                prefix_key=layout.prefix_key,
-                s_old=tuple(c.slot.key for c in earlier),
-                s_old_sizes=sizes,
-                num_tokens=n,
-                num_layers=num_layers,
-                inter=tuple((0.0,) * num_layers for _ in earlier),
-                intra=(0.0,) * num_layers,
-                token_scores=(0.0,) * n,
-                cci=1.0,
-                is_exact=cp.is_exact,
+        if span_mass is None:  # statistics not collected: placeholder metadata (CCI 1)
+            inter = tuple((0.0,) * num_layers for _ in earlier)
+            intra: tuple[float, ...] = (0.0,) * num_layers
+            token_scores: tuple[float, ...] = (0.0,) * n
+            impact = 1.0
+        else:
+            inter = tuple(
+                tuple(layer[i + 1][j + 1] for layer in span_mass) for j in range(len(earlier))
             )
-            out.append(Variant(meta, keys, values))
-            continue
-        inter = tuple(
-            tuple(layer[i + 1][j + 1] for layer in span_mass) for j in range(len(earlier))
-        )
-        intra = tuple(layer[i + 1][i + 1] for layer in span_mass)
-        in_chunk = (rows >= slot.start) & (rows < slot.end)
-        scores = result.row_span_mass[in_chunk][:, 1 : i + 1].sum(-1)  # mass on earlier chunks
+            intra = tuple(layer[i + 1][i + 1] for layer in span_mass)
+            in_chunk = (rows >= slot.start) & (rows < slot.end)
+            # mass on earlier chunks
+            token_scores = tuple(result.row_span_mass[in_chunk][:, 1 : i + 1].sum(-1).tolist())
+            impact = cci(inter, intra, sizes, n)
         meta = VariantMeta(
             chunk_key=slot.key,
             prefix_key=layout.prefix_key,
@@ -84,8 +76,8 @@ def make_variants(
             num_layers=len(intra),
             inter=inter,
             intra=intra,
-            token_scores=tuple(scores.tolist()),
-            cci=cci(inter, intra, sizes, n),
+            token_scores=token_scores,
+            cci=impact,
             is_exact=cp.is_exact,
         )
         out.append(Variant(meta, keys, values))
