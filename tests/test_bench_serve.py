@@ -98,6 +98,7 @@ def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
         peer="vllm",
         rates=[2.0, 1.0],
         items=_items(),
+        num_requests=3,
         max_tokens=3,
         peer_server=fake_vllm,
         max_runs=2,
@@ -110,7 +111,7 @@ def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
             s = by_mode[mode]
             assert (s["num_completed"], s["num_errors"], s["output_tokens"]) == (3, 0, 9)
             assert s["computed_fraction"] == pytest.approx(MODE_COMPUTED[mode], abs=0.01)
-        # the repeat hits the fake vLLM's prefix cache; a fresh salt per rate isolates runs
+        # the repeat hits the fake vLLM's prefix cache (warm across runs: one salt per stream)
         cache = by_mode["vllm"]["prefix_cache"]
         assert 0 < cache["hits"] < cache["queries"] == by_mode["vllm"]["prompt_tokens"]
     assert result["chosen_rate"] in (1.0, 2.0)
@@ -141,7 +142,9 @@ def test_a_fresh_server_per_mode_from_the_factory(fake_url: str) -> None:
         started.append(mode)
         yield fake_url
 
-    result = run_serve_bench(start, rates=[10.0], items=_items()[:2], max_tokens=1, max_runs=1)
+    result = run_serve_bench(
+        start, rates=[10.0], items=_items()[:2], num_requests=2, max_tokens=1, max_runs=1
+    )
     assert started == ["prefix", "cachecraft"]
     assert "throughput_ratio_vs_vllm" not in result and "vllm_prefix_cache" not in result
     with pytest.raises(CachecraftError, match="rates"):
@@ -162,9 +165,50 @@ def test_cli_parses_and_prints_json(fake_url: str, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--rates", "fast"])
 
-    args = parser.parse_args(["serve", "--json", "--rates", "20", "--requests", "2"])
+    args = parser.parse_args(
+        ["serve", "--json", "--rates", "20", "--requests", "2", "--warmup", "1", "--max-runs", "1"]
+    )
     assert args.func(args) == 0
     assert args.server_factory is start
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["num_requests"] == 2 and out["chosen_rate"] == 20.0
+    assert (
+        out["config"]["warmup"] == 1 and out["per_rate"]["20"]["cachecraft"]["num_completed"] == 2
+    )
     assert main_serve_bench is args.func
+
+
+def test_the_stream_warms_up_then_feeds_each_run_the_next_requests() -> None:
+    items = [WorkloadItem(str(i), RagRequest(f"q{i}?", [Chunk(f"c{i}")])) for i in range(7)]
+    warm, runs = serve_bench.split_stream(items, warmup=2, num_requests=2, max_runs=3)
+    assert [it.id for it in warm] == ["0", "1"]
+    assert [[it.id for it in run] for run in runs] == [["2", "3"], ["4", "5"], ["6", "2"]]
+    warm, runs = serve_bench.split_stream(items[:1], warmup=3, num_requests=2, max_runs=1)
+    assert [it.id for it in warm] == ["0"] and [it.id for it in runs[0]] == ["0", "0"]
+
+
+def test_warm_up_requests_are_replayed_but_not_measured(fake_url: str) -> None:
+    @contextmanager
+    def fake_vllm() -> Iterator[SimpleNamespace]:
+        yield SimpleNamespace(
+            base_url=fake_url, model_dir=resolve_model_dir(None), model_name="p", startup_s=1.0
+        )
+
+    result = run_serve_bench(
+        {"cachecraft": fake_url},
+        modes=("cachecraft",),
+        peer="vllm",
+        peer_server=fake_vllm,
+        rates=[20.0],
+        items=_items(),  # warm-up: requests 0 and 1; the run: request 2, a repeat of 0
+        num_requests=1,
+        warmup=2,
+        max_tokens=2,
+        max_runs=1,
+        seed=7,  # a cache salt no other test used
+    )
+    run = result["per_rate"]["20"]
+    assert result["config"]["warmup"] == 2
+    assert run["cachecraft"]["num_completed"] == run["vllm"]["num_completed"] == 1
+    cache = run["vllm"]["prefix_cache"]  # the run's own request only, a hit thanks to warm-up
+    assert 0 < cache["hits"] < cache["queries"] == run["vllm"]["prompt_tokens"]

@@ -3,6 +3,12 @@ mode (and vLLM with prefix caching as the peer) at rising rates until each syste
 maximum throughput, computed prompt tokens/s, and TTFT / e2e latency at the highest rate every
 system sustains. Owns the orchestration and the report; our server is started by the factory
 the caller passes (the CLI passes `cachecraft.server.launch.start_server`).
+
+Each system serves one request stream, as a deployment does: its head warms the caches
+(unmeasured), then each run of the ramp replays the next `num_requests` requests of the stream
+at its rate. Caches stay warm across the runs (one cache namespace, one vLLM cache salt per
+system), so every run measures steady-state serving, not a cold start; every system sees the
+same stream in the same order.
 """
 
 from __future__ import annotations
@@ -122,10 +128,28 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def _warm_up(base_url: str, trace: list[Any]) -> None:
-    """One short request first, so one-off start-up costs stay out of the first rate."""
-    res = replay(trace[:1], base_url, request_timeout_s=600.0)[0]
-    if not res.is_ok:
-        logger.warning("warm-up request failed on %s: %s", base_url, res.error or res.status)
+    """Replay the warm-up requests one after another (unmeasured): one-off start-up costs stay
+    out of the first rate, and the caches hold what a running deployment would."""
+    for req in trace:
+        res = replay([req], base_url, request_timeout_s=600.0)[0]
+        if not res.is_ok:
+            logger.warning("warm-up request failed on %s: %s", base_url, res.error or res.status)
+
+
+def split_stream(
+    items: Sequence[WorkloadItem], warmup: int, num_requests: int, max_runs: int
+) -> tuple[list[WorkloadItem], list[list[WorkloadItem]]]:
+    """The warm-up head of the stream and the requests of each run after it. A stream shorter
+    than warm-up + max_runs x num_requests wraps around to just after the warm-up (and with
+    fewer items than the warm-up, the warm-up is the whole stream)."""
+    items = list(items)
+    warm = items[: min(warmup, len(items))]
+    rest = items[len(warm) :] or items
+    runs = [
+        [rest[(i * num_requests + j) % len(rest)] for j in range(num_requests)]
+        for i in range(max_runs)
+    ]
+    return warm, runs
 
 
 def _server_context(start_server: ServerFactory | Mapping[str, str], mode: str) -> Any:
@@ -144,26 +168,20 @@ def _with_rate(summary: dict[str, Any]) -> dict[str, Any]:
 def _run_ours(
     start_server: ServerFactory | Mapping[str, str],
     mode: str,
-    items: Sequence[WorkloadItem],
+    stream: tuple[list[WorkloadItem], list[list[WorkloadItem]]],
     rates: Sequence[float],
     seed: int,
     opts: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
+    warm_items, runs = stream
+    namespace = f"bench-{mode}-{seed}"  # one cache per system and stream, warm across runs
     with _server_context(start_server, mode) as base_url:
-        warm = rag_trace(items[:1], None, seed, mode, 2, namespace=f"warmup-{mode}")
-        _warm_up(base_url, warm)
+        kw = {"namespace": namespace, "ignore_eos": opts["ignore_eos"]}
+        _warm_up(base_url, rag_trace(warm_items, None, seed, mode, opts["max_tokens"], **kw))
+        run_items = iter(runs)
 
         def run_at(rate: float) -> dict[str, Any]:
-            # a namespace per (mode, rate, seed): every run starts from an empty chunk cache
-            trace = rag_trace(
-                items,
-                rate,
-                seed,
-                mode,
-                opts["max_tokens"],
-                namespace=f"bench-{mode}-{rate_key(rate)}-{seed}",
-                ignore_eos=opts["ignore_eos"],
-            )
+            trace = rag_trace(next(run_items), rate, seed, mode, opts["max_tokens"], **kw)
             results = replay(trace, base_url, request_timeout_s=opts["request_timeout_s"])
             summary = _with_rate(summarize(results))
             summary["offered_rps"] = _offered(trace)
@@ -174,7 +192,7 @@ def _run_ours(
 
 
 def _run_vllm(
-    items: Sequence[WorkloadItem],
+    stream: tuple[list[WorkloadItem], list[list[WorkloadItem]]],
     rates: Sequence[float],
     seed: int,
     opts: dict[str, Any],
@@ -184,18 +202,23 @@ def _run_vllm(
 
     from cachecraft.bench.peer_vllm import VllmServer, prefix_cache_stats
 
+    warm_items, runs = stream
     make = peer_server or (lambda: VllmServer(opts.get("model_dir"), opts["peer_python"]))
     with make() as srv:
         tokenizer = AutoTokenizer.from_pretrained(srv.model_dir)
-        kw = {"tokenizer": tokenizer, "model": srv.model_name, "ignore_eos": opts["ignore_eos"]}
-        _warm_up(srv.base_url, vllm_trace(items[:1], None, seed, max_tokens=2, **kw))
+        kw = {
+            "tokenizer": tokenizer,
+            "model": srv.model_name,
+            "ignore_eos": opts["ignore_eos"],
+            "max_tokens": opts["max_tokens"],
+            "cache_salt": f"bench-vllm-{seed}",  # one cache per stream, warm across runs
+        }
+        _warm_up(srv.base_url, vllm_trace(warm_items, None, seed, **kw))
+        run_items = iter(runs)
 
         def run_at(rate: float) -> dict[str, Any]:
             before = prefix_cache_stats(srv.base_url)
-            salt = f"bench-{rate_key(rate)}-{seed}"  # vLLM's per-request cache isolation
-            trace = vllm_trace(
-                items, rate, seed, max_tokens=opts["max_tokens"], cache_salt=salt, **kw
-            )
+            trace = vllm_trace(next(run_items), rate, seed, **kw)
             results = replay(trace, srv.base_url, request_timeout_s=opts["request_timeout_s"])
             after = prefix_cache_stats(srv.base_url)
             summary = summarize(results)
@@ -224,12 +247,14 @@ def run_serve_bench(
     peer_python: str | None = None,
     peer_server: Callable[[], AbstractContextManager[Any]] | None = None,
     max_runs: int = DEFAULT_MAX_RUNS,
+    warmup: int = 0,
 ) -> dict[str, Any]:
-    """Replay one Poisson trace (synthetic Zipf workload unless `items`) per system (each mode,
-    then the peer) at rising rates until the system saturates (`ramp_rates`).
+    """Replay one request stream (synthetic Zipf workload unless `items`) per system (each
+    mode, then the peer): its first `warmup` requests one by one, unmeasured, then runs of
+    `num_requests` Poisson requests at rising rates until the system saturates (`ramp_rates`),
+    each run the next part of the stream (`split_stream`), caches warm throughout.
 
-    `start_server` is a factory (a fresh server per mode) or a {mode: base URL} mapping. Each
-    system's warm-up request is excluded. Reported: per system the maximum throughput it
+    `start_server` is a factory (a fresh server per mode) or a {mode: base URL} mapping. Reported: per system the maximum throughput it
     reached (at saturation: its capacity) and its computed prompt tokens/s there; latencies at
     `common_rate`, the highest rate every system sustained. `ignore_eos` makes every mode
     generate exactly `max_tokens`, so latencies compare prefill work, not answer lengths.
@@ -240,13 +265,16 @@ def run_serve_bench(
         raise CachecraftError(f"max_runs must be >= 1, got {max_runs}")
     if peer is not None and peer not in PEERS:
         raise CachecraftError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")
+    if num_requests < 1 or warmup < 0:
+        raise CachecraftError(f"need requests >= 1 and warmup >= 0, got {num_requests}, {warmup}")
     if items is None:
         from cachecraft.bench.synthetic import synthetic
 
-        items = synthetic(num_requests, seed=seed)
+        items = synthetic(warmup + max_runs * num_requests, seed=seed)
     items = list(items)
     if not items:
         raise CachecraftError("the serving bench needs at least one request")
+    stream = split_stream(items, warmup, num_requests, max_runs)
     rates = sorted(rates)
     opts = {
         "max_tokens": max_tokens,
@@ -256,12 +284,13 @@ def run_serve_bench(
         "max_runs": max_runs,
         "latency_bound": latency_bound,
     }
-    per_mode = {m: _run_ours(start_server, m, items, rates, seed, opts) for m in modes}
+    per_mode = {m: _run_ours(start_server, m, stream, rates, seed, opts) for m in modes}
     result: dict[str, Any] = {
         "config": {
             "modes": list(modes),
             "peer": peer,
-            "num_requests": len(items),
+            "num_requests": num_requests,
+            "warmup": len(stream[0]),
             "seed": seed,
             "max_tokens": max_tokens,
             "ignore_eos": ignore_eos,
@@ -271,7 +300,7 @@ def run_serve_bench(
     }
     systems = list(modes)
     if peer == "vllm":
-        per_mode["vllm"], result["peer"] = _run_vllm(items, rates, seed, opts, peer_server)
+        per_mode["vllm"], result["peer"] = _run_vllm(stream, rates, seed, opts, peer_server)
         systems.append("vllm")
     ran = sorted({float(k) for runs in per_mode.values() for k in runs})
     result["rates"] = ran

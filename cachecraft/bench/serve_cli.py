@@ -50,6 +50,12 @@ def add_bench_serve_parser(
         help="rates per system at most (the ramp stops earlier once a system saturates)",
     )
     parser.add_argument("--requests", type=int, default=16, help="requests per rate and mode")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=8,
+        help="requests of the stream replayed first, one by one and unmeasured, to warm caches",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=8, help="answer tokens (short)")
     parser.add_argument(
@@ -75,17 +81,15 @@ def add_bench_serve_parser(
 
 
 def _items(args: argparse.Namespace) -> list:
+    """The whole stream: the warm-up, then `requests` for each run the ramp may make."""
+    n = args.warmup + args.max_runs * args.requests
     if args.workload == "wiki-qa":
         from cachecraft.bench.wiki_qa import wiki_qa_zipf
 
-        return wiki_qa_zipf(
-            args.requests, seed=args.seed, zipf_s=args.zipf, num_questions=args.questions
-        )
+        return wiki_qa_zipf(n, seed=args.seed, zipf_s=args.zipf, num_questions=args.questions)
     from cachecraft.bench.synthetic import parse_chunk_tokens, synthetic
 
-    return synthetic(
-        args.requests, chunk_tokens=parse_chunk_tokens(args.chunk_tokens), seed=args.seed
-    )
+    return synthetic(n, chunk_tokens=parse_chunk_tokens(args.chunk_tokens), seed=args.seed)
 
 
 def main_serve_bench(args: argparse.Namespace) -> int:
@@ -101,6 +105,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         peer_python=args.peer_python,
         items=items,
         max_runs=args.max_runs,
+        warmup=args.warmup,
     )
     result["config"]["workload"] = args.workload
     if args.json:
@@ -109,7 +114,10 @@ def main_serve_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"serving: {result['config']['num_requests']} RAG requests per run")
+    cfg = result["config"]
+    table = Table(
+        title=f"serving: {cfg['num_requests']} RAG requests per run after {cfg['warmup']} warm-up"
+    )
     for col in (
         "rate",
         "mode",
