@@ -1,4 +1,5 @@
-"""LLM: the offline API. `LLM(model).generate(requests, sampling, mode=...)` and `.precompute`.
+"""LLM: the offline API. `LLM(model).generate(requests, sampling, mode=...)`, `.answer` (one
+request with a benchmark's measurements), `.precompute` and `.warm`.
 
 The server's engine plus a step loop (`engine.offline`): requests given together are batched
 as the server batches them, through the same planner, runner, scheduler and decode loop.
@@ -18,8 +19,9 @@ from cachecraft.engine.report import RequestReport
 from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError
-from cachecraft.model.loader import load_model
+from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.reuse.plan import RecomputePlan
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
@@ -44,6 +46,28 @@ class RequestOutput:
     teacher_forced_logits: torch.Tensor | None = None
 
 
+@dataclass(slots=True)
+class Answer:
+    """One request answered by `LLM.answer`, with what a benchmark measures.
+
+    token_ids: generated ids (a final EOS/stop id included); text without it.
+    plan: the plan as executed. first_logits [vocab]: the prompt's next-token logits.
+    forced_logits [m, vocab]: row j is the distribution for forced token j given the prompt
+    and forced tokens < j (None unless `forced` or `force_answer` was given).
+    rows [n]: prompt positions computed; rows_last_layer [n]: the last layer each ran through.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    report: RequestReport
+    plan: RecomputePlan
+    first_logits: torch.Tensor
+    forced_logits: torch.Tensor | None
+    rows: torch.Tensor
+    rows_last_layer: torch.Tensor
+
+
 def reuse_config(**fields: object) -> ReuseConfig:
     """ReuseConfig from keyword fields, with a clear error for an unknown one and for a store
     setting given here (it belongs to StoreConfig)."""
@@ -63,20 +87,30 @@ def reuse_config(**fields: object) -> ReuseConfig:
 
 
 class LLM:
-    """A model plus a chunk store. `store`: a ChunkStore, a StoreConfig to build one from, or
-    None for an in-memory LRU store (`MemoryStore`, 2 GiB). `**reuse`: ReuseConfig fields."""
+    """A model plus a chunk store. `model`: a path or name for `load_model`, or a model loaded
+    already (several LLMs may share its weights; dtype and device are then the model's).
+    `store`: a ChunkStore, a StoreConfig to build one from, or None for an in-memory LRU store
+    (`MemoryStore`, 2 GiB). `config` (a ReuseConfig) or `**reuse` (its fields), not both."""
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | LoadedModel | None = None,
         *,
         dtype: str = "float32",
         device: str = "cpu",
         store: ChunkStore | StoreConfig | None = None,
+        config: ReuseConfig | None = None,
         **reuse: object,
     ) -> None:
-        self.config = reuse_config(**reuse)
-        self.loaded = load_model(model, dtype, device)
+        if config is not None and reuse:
+            raise BadRequestError(
+                f"reuse settings given twice: config=ReuseConfig(...) and {sorted(reuse)}"
+            )
+        self.config = config if config is not None else reuse_config(**reuse)
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+        else:
+            self.loaded = load_model(model, dtype, device)
         if store is None:  # not `or`: an empty store is falsy (it has __len__)
             store = MemoryStore(DEFAULT_STORE_BYTES)
         elif isinstance(store, StoreConfig):
@@ -129,6 +163,42 @@ class LLM:
             )
         return outs
 
+    def answer(
+        self,
+        request: RagRequest,
+        sampling: SamplingParams | None = None,
+        mode: str = "cachecraft",
+        *,
+        budgets: list[int | None] | None = None,
+        forced: list[int] | None = None,
+        force_answer: bool = False,
+        commit: bool = True,
+    ) -> Answer:
+        """Answer one request in `mode` with the benchmark's measurements: teacher-force
+        `forced` (if any) after the prompt, decode per `sampling`, then (if `commit`) offer new
+        variants to the store; `force_answer`: teacher-force the generated answer itself
+        afterwards (the reference other modes are compared with). Same engine and step loop as
+        `generate`; report.ttft_ms covers planning, KV assembly, the prefill and sampling the
+        first token."""
+        options = RequestOptions(tuple(forced or ()), force_answer, commit)
+        sub = Submission(request, sampling or SamplingParams(), mode, budgets, options)
+        done = run_requests(self.engine, [sub])[0]
+        extras = done.extras
+        assert done.report is not None and extras is not None and extras.plan is not None
+        assert extras.first_logits is not None and extras.rows is not None
+        assert extras.rows_last_layer is not None
+        return Answer(
+            text=done.text,
+            token_ids=done.token_ids,
+            finish_reason=done.finish_reason,
+            report=done.report,
+            plan=extras.plan,
+            first_logits=extras.first_logits,
+            forced_logits=extras.forced_logits,
+            rows=extras.rows,
+            rows_last_layer=extras.rows_last_layer,
+        )
+
     def precompute(
         self,
         chunks: list[Chunk | str],
@@ -142,14 +212,23 @@ class LLM:
         before = list(context or [])
         for chunk in chunks:
             request = RagRequest(".", [*before, chunk], system=system, namespace=namespace)
-            plan = self.runner.plan(request, "cachecraft", lookup=False)
-            job = self.runner.start(plan, precompute=True)
-            result = self.loaded.model.forward_step([job.work])[0]
-            outcome = self.runner.finish(job, result)
-            self.runner.commit(outcome)
-            target = outcome.variants[-1]
-            if any(
-                v.variant_id == target.variant_id for v in self.store.variants(target.chunk_key)
-            ):
-                ids.append(target.variant_id)
+            ids += self._compute_in_full(request, only_last=True)
         return ids
+
+    def warm(self, request: RagRequest) -> list[str]:
+        """Compute every chunk of `request` in full in its own context (one prefill, no answer)
+        and offer each as a variant; returns the variant ids the store admitted."""
+        return self._compute_in_full(request, only_last=False)
+
+    def _compute_in_full(self, request: RagRequest, only_last: bool) -> list[str]:
+        plan = self.runner.plan(request, "cachecraft", lookup=False)
+        job = self.runner.start(plan, precompute=True)
+        result = self.loaded.model.forward_step([job.work])[0]
+        outcome = self.runner.finish(job, result)
+        self.runner.commit(outcome)
+        made = outcome.variants[-1:] if only_last else outcome.variants
+        return [
+            v.variant_id
+            for v in made
+            if any(s.variant_id == v.variant_id for s in self.store.variants(v.chunk_key))
+        ]

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachecraft.bench.model_bench import greedy_tokens
 from cachecraft.engine.engine import Engine
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.llm import LLM
+from cachecraft.model.reference import greedy_tokens
 from cachecraft.model.step import SeqWork
 from cachecraft.request import Chunk, RagRequest
 

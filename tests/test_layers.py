@@ -1,5 +1,6 @@
-"""The import structure docs/architecture.md describes: no import cycle between modules, and no
-package imports one from a higher layer (imports inside functions count too)."""
+"""The import structure docs/architecture.md describes: no import cycle between modules, no
+package imports one from a higher layer, and `bench` imports only public modules (imports inside
+functions and under TYPE_CHECKING count too)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,25 @@ LAYERS = [
     {"engine"},
     {"llm"},
     {"server"},
+    {"api"},
     {"bench"},
     {"cli", "cachecraft"},
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+PUBLIC = {
+    "cachecraft",
+    "cachecraft.api",
+    "cachecraft.llm",
+    "cachecraft.request",
+    "cachecraft.config",
+    "cachecraft.config_file",
+    "cachecraft.errors",
+    "cachecraft.env",
+    "cachecraft.store.base",
+    "cachecraft.store.config",
+}
+"""The public modules (cachecraft/api.py and docs/architecture.md list the same); every other
+module is internal, and what outsiders need from one is re-exported by cachecraft.api."""
 
 
 def _modules() -> dict[str, Path]:
@@ -64,6 +80,24 @@ def test_no_import_from_a_higher_layer() -> None:
         if LEVEL[_package(t)] > LEVEL[_package(m)]
     )
     assert upward == []
+
+
+def test_bench_imports_only_public_modules() -> None:
+    """The benchmarks measure what a user can run: they reach the engine, the model and the
+    store through the public surface, never through an internal module."""
+    edges = _edges(_modules())
+    internal = sorted(
+        f"{m} -> {t}"
+        for m, targets in edges.items()
+        if _package(m) == "bench"
+        for t in targets
+        if _package(t) != "bench" and t not in PUBLIC
+    )
+    assert internal == []
+
+
+def test_the_public_modules_exist() -> None:
+    assert set(_modules()) >= PUBLIC
 
 
 def test_no_import_cycle() -> None:

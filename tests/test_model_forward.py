@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachecraft.bench.model_bench import greedy_tokens
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.kv import KVCache
 from cachecraft.model.loader import LoadedModel
+from cachecraft.model.reference import greedy_tokens
 from cachecraft.model.step import SeqWork
 
 

@@ -1,7 +1,7 @@
 """The HTTP server against the official openai client, on a tiny random Llama (fast).
 
 Live servers on free loopback ports (`start_server`); answers are checked against sequential
-greedy runs of the same model (`answer`), token for token through the text.
+greedy runs of the same model (`LLM.answer`), token for token through the text.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import pytest
 from conftest import make_tiny_dir
 
 from cachecraft.config import ReuseConfig
-from cachecraft.engine.answer import answer
 from cachecraft.engine.engine import EngineConfig
-from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.engine.text import TextStream
+from cachecraft.llm import LLM
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.server.config import ServerConfig
@@ -65,8 +64,8 @@ def reference(small: LoadedModel, i: int, max_tokens: int = 8) -> str:
     """The sequential greedy answer, one request at a time (the offline path)."""
     q, docs = question(i)
     request = RagRequest(q, [Chunk(d["text"], d["id"]) for d in docs])
-    runner = Runner(small, MemoryStore(1 << 30))
-    return answer(runner, request, SamplingParams(max_tokens=max_tokens), "full").text
+    llm = LLM(small, store=MemoryStore(1 << 30))
+    return llm.answer(request, SamplingParams(max_tokens=max_tokens), "full").text
 
 
 def ask(
@@ -163,11 +162,11 @@ def test_stop_strings_end_the_answer_before_them(url: str, small: LoadedModel) -
     assert text == full[:cut] and stop not in text
     assert chunks[-1].choices[0].finish_reason == "stop"
 
-    # the offline path (LLM.generate / answer) cuts the same way
+    # the offline path (LLM.generate / LLM.answer) cuts the same way
     q, docs = question(3)
     request = RagRequest(q, [Chunk(d["text"], d["id"]) for d in docs])
     params = SamplingParams(max_tokens=24, ignore_eos=True, stop=stop)
-    offline = answer(Runner(small, MemoryStore(1 << 30)), request, params, "full")
+    offline = LLM(small, store=MemoryStore(1 << 30)).answer(request, params, "full")
     assert offline.text == full[:cut].rstrip() and offline.finish_reason == "stop"
     assert len(offline.token_ids) == out.usage.completion_tokens < 24
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachecraft.bench.item import WorkloadItem
 from cachecraft.errors import BadRequestError
-from cachecraft.model.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from cachecraft.api import LoadedModel
 
 log = logging.getLogger(__name__)
 

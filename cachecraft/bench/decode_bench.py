@@ -22,15 +22,21 @@ from typing import Any
 
 import torch
 
+from cachecraft.api import (
+    EngineConfig,
+    Failed,
+    Finished,
+    LoadedModel,
+    SamplingParams,
+    build_stack,
+    close_stack,
+    load_model,
+    memory_config,
+    resolve_model_dir,
+)
 from cachecraft.bench.peer_vllm import vllm_env
-from cachecraft.engine.engine import Engine, EngineConfig
-from cachecraft.engine.handle import Failed, Finished
-from cachecraft.engine.runner import Runner
-from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import CachecraftError
-from cachecraft.model.loader import LoadedModel
 from cachecraft.request import RagRequest
-from cachecraft.store.memory import MemoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +55,10 @@ def ours_step_ms(
     m: LoadedModel, batches: Sequence[int], context: int, steps: int
 ) -> dict[str, float | None]:
     """Median engine step time (ms) with exactly B sequences decoding, per B."""
-    runner = Runner(m, MemoryStore(1 << 20))
     top = max(batches)
     config = EngineConfig(token_budget=max(2048, top), max_running=top, max_queue=top, mode="full")
-    engine = Engine(runner, config).start()
+    stack = build_stack(loaded=m, store=memory_config(1 << 20), engine=config)
+    engine = stack.engine
     out: dict[str, float | None] = {}
     try:
         for b in batches:
@@ -80,7 +86,7 @@ def ours_step_ms(
             out[str(b)] = round(statistics.median(times), 1) if times else None
             logger.info("ours B=%d: %s ms over %d steps", b, out[str(b)], len(times))
     finally:
-        engine.stop()
+        close_stack(stack)
     return out
 
 
@@ -127,8 +133,6 @@ def vllm_step_ms(
     timeout_s: float = 1200.0,
 ) -> dict[str, float | None]:
     """vLLM's decode step time (ms) per B, from its own venv in a subprocess."""
-    from cachecraft.model.loader import resolve_model_dir
-
     python = Path(python).absolute()
     if not python.exists():
         raise CachecraftError(f"no peer venv at {python}: run `make peer-vllm` first")
@@ -230,8 +234,6 @@ def add_bench_decode_parser(subparsers: Any) -> Any:
 
 
 def main_decode_bench(args: Any) -> int:
-    from cachecraft.model.loader import load_model
-
     try:
         batches = [int(x) for x in args.batches.split(",") if x.strip()]
     except ValueError:

@@ -19,9 +19,15 @@ from typing import Any
 
 import torch
 
-from cachecraft.model.kv import KVCache
-from cachecraft.model.loader import LoadedModel
-from cachecraft.model.step import SeqWork
+from cachecraft.api import (
+    LLM,
+    LoadedModel,
+    SamplingParams,
+    greedy_tokens,
+    load_model,
+    memory_config,
+    prefill,
+)
 from cachecraft.request import Chunk, RagRequest
 
 MISS_MODES = ("full", "prefix", "cachecraft")
@@ -37,19 +43,7 @@ def _prompt_ids(m: LoadedModel, n: int) -> torch.Tensor:
 
 
 def _ours_prefill(m: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
-    kv = KVCache(m.arch, len(ids), m.model.dtype, m.model.device)
-    return m.model.forward_step([SeqWork(kv, ids, torch.arange(len(ids)))])[0].logits
-
-
-def greedy_tokens(m: LoadedModel, kv: KVCache, first_logits: torch.Tensor, n: int) -> list[int]:
-    """n greedy tokens (EOS ignored) continuing the prompt in `kv`, one plain forward step
-    each: the naive reference our forward's tokens are checked with against HF."""
-    tokens = [int(first_logits.argmax())]
-    while len(tokens) < n:
-        pos = torch.tensor([kv.length])
-        step = m.model.forward_step([SeqWork(kv, torch.tensor(tokens[-1:]), pos)])[0]
-        tokens.append(int(step.logits[0].argmax()))
-    return tokens
+    return prefill(m, ids)[0]
 
 
 def _time(fn: Any, repeats: int) -> float:
@@ -69,8 +63,6 @@ def _max_rss_bytes() -> int:
 def peak_prefill_bytes(kind: str, n: int, spec: str | None = None) -> int:
     """Peak RSS growth of one prefill of n tokens (`ours` or `hf`), after the model loaded and
     one short warm-up prefill (one-time library and allocator set-up is not counted)."""
-    from cachecraft.model.loader import load_model
-
     m = load_model(spec)
     ids, warm = _prompt_ids(m, n), _prompt_ids(m, 32)
     if kind == "hf":
@@ -116,19 +108,17 @@ def _miss_request(m: LoadedModel, seed: int, chunk_tokens: int) -> RagRequest:
 
 
 def miss_ttft(m: LoadedModel, repeats: int = 5, chunk_tokens: int = 200) -> dict[str, Any]:
-    """Median TTFT (plan, KV assembly, prefill, first token; commit excluded as the engine does
-    it after the token went out) per mode, each run on a fresh runner and store (nothing cached:
-    not the chunks, not the system prefix), modes interleaved request by request in a rotating
-    order (no mode always runs first after a new request's text)."""
-    from cachecraft.engine.runner import Runner
-    from cachecraft.store.memory import MemoryStore
+    """Median TTFT (plan, KV assembly, prefill, first token, as the engine reports it; commit
+    excluded as the engine does it after the token went out) per mode, each run on a fresh LLM
+    and store (nothing cached: not the chunks, not the system prefix), modes interleaved
+    request by request in a rotating order (no mode always runs first after a new request's
+    text)."""
+    one_token = SamplingParams(max_tokens=1)
 
     def once(request: RagRequest, mode: str) -> float:
-        runner = Runner(m, MemoryStore(1 << 30))  # admits everything: statistics are collected
-        t0 = time.perf_counter()
-        _, outcome = runner.prefill(request, mode)
-        int(outcome.first_logits.argmax())
-        return time.perf_counter() - t0
+        # memory_config admits everything: statistics are collected
+        llm = LLM(m, store=memory_config(1 << 30))
+        return llm.generate(request, one_token, mode)[0].report.ttft_ms / 1000
 
     once(_miss_request(m, -1, 32), "cachecraft")  # warm-up
     times: dict[str, list[float]] = {mode: [] for mode in MISS_MODES}
@@ -157,14 +147,13 @@ def run_model_bench(
     chat = torch.tensor(
         m.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
     )
-    kv = KVCache(m.arch, len(chat) + 32, torch.float32, "cpu")
-    ours = m.model.forward_step([SeqWork(kv, chat, torch.arange(len(chat)), logits_for="all")])[0]
+    ours_logits, kv = prefill(m, chat, extra_capacity=32, all_logits=True)
     with torch.inference_mode():
         ref = hf(chat[None]).logits[0]
         ref_tokens = hf.generate(
             chat[None], max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None
         )[0, len(chat) :].tolist()
-    our_tokens = greedy_tokens(m, kv, ours.logits[-1], 32)
+    our_tokens = greedy_tokens(m, kv, ours_logits[-1], 32)
 
     rows = {}
     for n in lengths:
@@ -189,7 +178,7 @@ def run_model_bench(
         "repeats": repeats,
         "miss_ttft_ms": miss["ttft_ms"],
         "miss_ttft_ratio": miss["miss_ttft_ratio"],
-        "max_abs_logit_diff": float((ours.logits - ref).abs().max()),
+        "max_abs_logit_diff": float((ours_logits - ref).abs().max()),
         "greedy_match": our_tokens == ref_tokens,
         "prefill_speedup_vs_hf": {k: v["speedup"] for k, v in rows.items()},
         "prefill": rows,

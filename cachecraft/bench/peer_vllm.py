@@ -141,7 +141,7 @@ class VllmServer:
         if not self.python.exists():
             raise PeerError(f"no peer venv at {self.python}: run `make peer-vllm` first")
         if self.model_dir is None:
-            from cachecraft.model.loader import resolve_model_dir
+            from cachecraft.api import resolve_model_dir
 
             self.model_dir = resolve_model_dir(None)
         self.port = free_port()

@@ -18,21 +18,23 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cachecraft.api import (
+    LLM,
+    Answer,
+    LoadedModel,
+    MemoryStore,
+    SamplingParams,
+    make_store,
+    matched_budgets,
+)
 from cachecraft.bench.flops import ModelShape, flops_fraction
 from cachecraft.bench.item import WorkloadItem
 from cachecraft.bench.metrics import exact_match, kl_divergence, rouge_l, token_f1
 from cachecraft.bench.quality_summary import summarize_results
 from cachecraft.config import MODES, ReuseConfig
-from cachecraft.engine.answer import Answer, answer
-from cachecraft.engine.runner import Runner
-from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError
-from cachecraft.model.loader import LoadedModel
-from cachecraft.reuse.planner import matched_budgets
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
-from cachecraft.store.memory import MemoryStore
-from cachecraft.store.store import make_store
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ class Arm:
 @dataclass(slots=True)
 class _ArmRun:
     arm: Arm
-    runner: Runner
+    llm: LLM
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -226,7 +228,7 @@ def _run_request(
     """All arms on one request; shape None means warm-up (fill the caches, measure nothing)."""
     measure = shape is not None
     full, *others = runs
-    ref = answer(full.runner, item.request, sampling, "full", force_answer=measure)
+    ref = full.llm.answer(item.request, sampling, "full", force_answer=measure)
     budgets: dict[tuple[str, bool], list[int | None]] = {}  # (arm, probe's rows added)
     for run in others:
         arm = run.arm
@@ -234,7 +236,7 @@ def _run_request(
         # without the probe's rows; every other mode gets them as extra tokens.
         given = budgets[arm.budget_from, arm.mode != "prophet"] if arm.budget_from else None
         forced = ref.token_ids if measure else None
-        got = answer(run.runner, item.request, sampling, arm.mode, budgets=given, forced=forced)
+        got = run.llm.answer(item.request, sampling, arm.mode, budgets=given, forced=forced)
         if arm.mode == "cachecraft":
             # The baselines get as many tokens in all as cachecraft computed, its probe's
             # rows included (spread over the reused chunks).
@@ -253,13 +255,6 @@ def _arm_store(arm: Arm, index: int, nbytes: int, config: StoreConfig | None) ->
     where = str(Path(config.cache_dir) / f"arm{index}") if config.cache_dir else None
     cap = arm.max_variants_per_chunk
     return make_store(replace(config, cache_dir=where, max_variants_per_chunk=cap))
-
-
-def _warm_all_chunks(runner: Runner, item: WorkloadItem) -> None:
-    """Compute every chunk of `item` in full in its context and store them as variants."""
-    job = runner.start(runner.plan(item.request, "cachecraft", lookup=False))
-    outcome = runner.finish(job, runner.loaded.model.forward_step([job.work])[0])
-    runner.commit(outcome)
 
 
 def run_arms(
@@ -294,23 +289,23 @@ def run_arms(
     runs = []
     for i, arm in enumerate(arms):
         store = _arm_store(arm, i, store_bytes, store_config)
-        runs.append(_ArmRun(arm, Runner(loaded, store, arm.config)))
+        runs.append(_ArmRun(arm, LLM(loaded, store=store, config=arm.config)))
     shape = ModelShape.from_config(loaded.hf_config)
     warm = SamplingParams(max_tokens=1)
     sampling = SamplingParams(max_tokens=max_tokens)
     bar = tqdm(total=len(items), desc="bench quality", file=sys.stderr, disable=not progress)
     with torch.inference_mode(), bar:
         if shared_warmup and warmup:
-            seed = Runner(loaded, MemoryStore(store_bytes, arms[0].max_variants_per_chunk))
+            seed = LLM(loaded, store=MemoryStore(store_bytes, arms[0].max_variants_per_chunk))
             for item in items[:warmup]:
                 bar.set_postfix_str("shared warm-up")
-                _warm_all_chunks(seed, item)
+                seed.warm(item.request)  # every chunk in full in its context
                 bar.update()
             for run in runs[1:]:
                 for variant_id in seed.store.variant_ids():
                     variant = seed.store.load(variant_id)
                     if variant is not None:
-                        run.runner.store.offer(variant)
+                        run.llm.store.offer(variant)
         for i, item in enumerate(items):
             if shared_warmup and i < warmup:
                 continue
@@ -320,7 +315,7 @@ def run_arms(
             else:
                 _run_request(runs, item, sampling, shape)
             bar.update()
-    return {r.arm.name: (r.records, r.runner.store) for r in runs}
+    return {r.arm.name: (r.records, r.llm.store) for r in runs}
 
 
 def run_quality(

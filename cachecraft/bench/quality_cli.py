@@ -168,7 +168,7 @@ def _split(text: str, kind: type) -> list:
 
 
 def _load_model(args: argparse.Namespace) -> Any:
-    from cachecraft.model.loader import load_model
+    from cachecraft.api import load_model
 
     return load_model(args.model, args.dtype, args.device)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from cachecraft.api import start_server
 from cachecraft.bench.serve_bench import (
     DEFAULT_MAX_RUNS,
     DEFAULT_MODES,
@@ -16,7 +17,6 @@ from cachecraft.bench.serve_bench import (
     ServerFactory,
     run_serve_bench,
 )
-from cachecraft.server.launch import start_server
 
 
 def _parse_rates(text: str) -> list[float]:

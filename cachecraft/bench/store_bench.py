@@ -18,11 +18,9 @@ from typing import Literal
 
 import torch
 
+from cachecraft.api import Variant, VariantMeta, make_store
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
-from cachecraft.store.meta import VariantMeta
-from cachecraft.store.store import TieredStore
-from cachecraft.store.variant import Variant
 
 PHASES = ("before", "flood", "after")
 BYTES_PER_TOKEN = 4  # fake K+V: 1 layer x 1 head x head_dim 1 x fp16 x 2
@@ -149,7 +147,7 @@ def run_policy(
 ) -> PolicyResult:
     """Replay `trace` through a fresh store; `tier_stats`, when given, receives its final
     StoreStats (hits per tier, admitted, bytes per tier) as a dict."""
-    store = TieredStore(store_config)
+    store = make_store(store_config)
     result = PolicyResult()
     for phase, chunks in trace:
         res = result.phases[phase]
@@ -336,10 +334,9 @@ def _tier_ttft(args: argparse.Namespace) -> dict[str, object]:
     """TTFT per tier on the first request of the sample workload (bundled model)."""
     from pathlib import Path
 
+    from cachecraft.api import RedisServer, load_model
     from cachecraft.bench.tier_ttft import run_tier_ttft
     from cachecraft.bench.workloads import load_workload_file
-    from cachecraft.model.loader import load_model
-    from cachecraft.store.redis_server import RedisServer
 
     sample = Path(__file__).resolve().parents[2] / "examples" / "wiki_qa_sample.jsonl"
     request = load_workload_file(sample)[0].request

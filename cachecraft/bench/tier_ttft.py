@@ -5,6 +5,7 @@ One request of k chunks whose variants were computed in exactly this context, an
 from: memory, disk read layer by layer (with and without read-ahead), disk after a prefetch
 while the request waited, Redis; and `full` (no reuse) as the reference. Disk reads go to the
 device: each file is dropped from the page cache (posix_fadvise) before every repeat.
+TTFT is the engine's own (`report.ttft_ms`: plan, KV assembly, prefill, first token).
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from cachecraft.engine.prefix_cache import PrefixCache
-from cachecraft.engine.runner import Runner
-from cachecraft.model.loader import LoadedModel
+from cachecraft.api import LLM, LoadedModel, SamplingParams, make_store
 from cachecraft.request import RagRequest
+from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
-from cachecraft.store.store import make_store
+
+ONE_TOKEN = SamplingParams(max_tokens=1)
 
 
 def _drop_page_cache(root: Path) -> None:
@@ -34,11 +34,18 @@ def _drop_page_cache(root: Path) -> None:
             os.close(fd)
 
 
-def _ttft(runner: Runner, request: RagRequest, mode: str) -> float:
-    t0 = time.perf_counter()
-    job, outcome = runner.prefill(request, mode)
-    int(outcome.first_logits.argmax())
-    return 1000 * (time.perf_counter() - t0)
+def _ttft(llm: LLM, request: RagRequest, mode: str) -> float:
+    return llm.generate(request, ONE_TOKEN, mode)[0].report.ttft_ms
+
+
+def _fresh(loaded: LoadedModel, store: ChunkStore, request: RagRequest) -> LLM:
+    """An LLM over `store` (a restarted process) whose exact prefix cache already holds the
+    request's system prompt (a chunk-less request with that system computed it), so only the
+    chunk-caches move."""
+    llm = LLM(loaded, store=store)
+    no_chunks = RagRequest(request.question, [], request.system, request.namespace)
+    llm.generate(no_chunks, ONE_TOKEN)
+    return llm
 
 
 def _settings(cache_dir: Path, redis_url: str | None) -> dict[str, dict[str, Any]]:
@@ -60,20 +67,19 @@ def run_tier_ttft(
     """Median TTFT (ms) per tier and for full recompute, plus the load time hidden.
 
     Every repeat opens a fresh store on the same directory / Redis (a restarted process:
-    nothing in memory), sharing one prefix cache so only the chunk-caches move.
+    nothing in memory) with the system prompt's prefix cached, so only the chunk-caches move.
     """
     root = Path(tempfile.mkdtemp(prefix="cachecraft-tier-"))
-    prefix_cache = PrefixCache()
     results: dict[str, Any] = {}
     try:
         for name, fields in _settings(root / "disk", redis_url).items():
             shutil.rmtree(root / "disk", ignore_errors=True)
             config = StoreConfig(**fields)
             store = make_store(config)
-            runner = Runner(loaded, store, prefix_cache=prefix_cache)
-            _, outcome = runner.prefill(request, "cachecraft")  # every chunk computed in full
-            runner.commit(outcome)
-            _ttft(runner, request, "naive")  # warm the prefix cache and the code paths
+            llm = LLM(loaded, store=store)
+            llm.warm(request)  # every chunk computed in full in this context
+            warm = llm.generate(request, ONE_TOKEN, "naive")[0]  # and the code paths
+            variant_ids = [c.variant_id for c in warm.report.chunks if c.variant_id]
             times, read_s, hidden_s = [], 0.0, 0.0
             for _ in range(repeats):
                 if name != "memory":
@@ -81,12 +87,11 @@ def run_tier_ttft(
                     if config.cache_dir:
                         _drop_page_cache(Path(config.cache_dir))
                     store = make_store(config)
-                    runner = Runner(loaded, store, prefix_cache=prefix_cache)
+                    llm = _fresh(loaded, store, request)
                 if name == "disk_prefetched":
-                    plan = runner.plan(request, "naive")
-                    store.prefetch([c.variant.variant_id for c in plan.chunks if c.variant])
+                    store.prefetch(variant_ids)
                     store.wait_prefetch()  # the request waited in the queue meanwhile
-                times.append(_ttft(runner, request, "naive"))
+                times.append(_ttft(llm, request, "naive"))
                 stats = store.stats()
                 read_s, hidden_s = read_s + stats.layer_read_s, hidden_s + stats.layer_hidden_s
             results[name] = {
@@ -95,8 +100,8 @@ def run_tier_ttft(
                 "layer_read_hidden_fraction": round(hidden_s / read_s, 3) if read_s else None,
             }
             store.close()
-        runner = Runner(loaded, make_store(StoreConfig()))
-        full = [_ttft(runner, request, "full") for _ in range(repeats)]
+        llm = LLM(loaded, store=StoreConfig())
+        full = [_ttft(llm, request, "full") for _ in range(repeats)]
         results["full_recompute"] = {"ttft_ms_p50": round(statistics.median(full), 1)}
     finally:
         shutil.rmtree(root, ignore_errors=True)

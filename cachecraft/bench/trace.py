@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from cachecraft.api import prompt_token_ids
 from cachecraft.bench.item import WorkloadItem
 from cachecraft.errors import BadRequestError
 from cachecraft.request import RagRequest
-from cachecraft.reuse.layout import build_layout
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -108,10 +108,8 @@ def rag_trace(
 
 
 def layout_token_ids(request: RagRequest, tokenizer: Any) -> list[int]:
-    """The prompt token ids our engine prefills for `request`: the template head, each chunk
-    tokenized alone as `text + "\\n\\n"`, then "Question: ..." and the template tail."""
-    # the fingerprint only feeds the cache keys, never the ids
-    return list(build_layout(request, tokenizer, fingerprint="").token_ids)
+    """The prompt token ids our engine prefills for `request` (see `prompt_token_ids`)."""
+    return prompt_token_ids(request, tokenizer)
 
 
 def completions_body(

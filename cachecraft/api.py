@@ -1,0 +1,76 @@
+"""The public surface for code built on cachecraft: the benchmarks first, and anyone who
+drives the engine, the offline LLM or a chunk store from Python.
+
+Public modules are this one plus `cachecraft` (LLM, SamplingParams, Chunk, RagRequest),
+`cachecraft.llm`, `cachecraft.request`, `cachecraft.config`, `cachecraft.config_file`,
+`cachecraft.errors`, `cachecraft.env`, `cachecraft.store.base` (ChunkStore and its typed
+results) and `cachecraft.store.config` (StoreConfig). Every other module is internal and may
+change; a name it owns that outsiders need is re-exported here, so `bench` imports nothing
+else (tests/test_layers.py checks that).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cachecraft.engine.engine import Engine, EngineConfig
+from cachecraft.engine.handle import Failed, Finished, RequestHandle, Token
+from cachecraft.engine.options import RequestExtras, RequestOptions, StepStat
+from cachecraft.engine.report import ChunkReport, RequestReport
+from cachecraft.engine.sampling import SamplingParams
+from cachecraft.llm import LLM, Answer, RequestOutput
+from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
+from cachecraft.model.reference import greedy_tokens, prefill
+from cachecraft.request import RagRequest
+from cachecraft.reuse.layout import build_layout
+from cachecraft.reuse.plan import RecomputePlan
+from cachecraft.reuse.planner import matched_budgets
+from cachecraft.server.launch import Stack, build_stack, close_stack, start_server
+from cachecraft.store.memory import MemoryStore, memory_config
+from cachecraft.store.meta import VariantMeta
+from cachecraft.store.redis_server import RedisServer
+from cachecraft.store.store import make_store
+from cachecraft.store.variant import Variant
+
+__all__ = [
+    "LLM",
+    "Answer",
+    "ChunkReport",
+    "Engine",
+    "EngineConfig",
+    "Failed",
+    "Finished",
+    "LoadedModel",
+    "MemoryStore",
+    "RecomputePlan",
+    "RedisServer",
+    "RequestExtras",
+    "RequestHandle",
+    "RequestOptions",
+    "RequestOutput",
+    "RequestReport",
+    "SamplingParams",
+    "Stack",
+    "StepStat",
+    "Token",
+    "Variant",
+    "VariantMeta",
+    "build_stack",
+    "close_stack",
+    "greedy_tokens",
+    "load_model",
+    "make_store",
+    "matched_budgets",
+    "memory_config",
+    "prefill",
+    "prompt_token_ids",
+    "resolve_model_dir",
+    "start_server",
+]
+
+
+def prompt_token_ids(request: RagRequest, tokenizer: Any) -> list[int]:
+    """The prompt token ids our engine prefills for `request`: the template head, each chunk
+    tokenized alone as `text + "\\n\\n"`, then "Question: ..." and the template tail."""
+    # the fingerprint only feeds the cache keys, never the ids
+    return list(build_layout(request, tokenizer, fingerprint="").token_ids)

@@ -1,0 +1,56 @@
+"""The benchmarks that drive the engine through the public surface (cachecraft.api) run end to
+end on the tiny model: the TTFT-per-tier and miss-TTFT measurements, and LLM.warm / LLM.answer
+that the quality benchmark is built on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachecraft.api import LLM, LoadedModel, SamplingParams, memory_config
+from cachecraft.bench.model_bench import MISS_MODES, miss_ttft
+from cachecraft.bench.tier_ttft import run_tier_ttft
+from cachecraft.config import ReuseConfig
+from cachecraft.errors import BadRequestError
+from cachecraft.request import Chunk, RagRequest
+
+REQUEST = RagRequest(
+    "Which river flows north?",
+    [
+        Chunk("Paris is the capital of France and sits on the Seine. " * 3, id="paris"),
+        Chunk("The Nile flows north through Egypt into the Mediterranean. " * 3, id="nile"),
+    ],
+)
+
+
+def test_tier_ttft_measures_every_tier(tiny: LoadedModel) -> None:
+    res = run_tier_ttft(tiny, REQUEST, repeats=1)
+    tiers = ["memory", "disk_layerwise_readahead", "disk_no_readahead", "disk_prefetched"]
+    assert list(res) == [*tiers, "full_recompute"]
+    assert all(res[t]["ttft_ms_p50"] > 0 for t in res)
+    # read layer by layer from disk, with read-ahead: some of it is measured
+    assert res["disk_layerwise_readahead"]["layer_read_ms_per_request"] > 0
+
+
+def test_miss_ttft_runs_every_mode(tiny: LoadedModel) -> None:
+    res = miss_ttft(tiny, repeats=1, chunk_tokens=16)
+    assert set(res["ttft_ms"]) == set(MISS_MODES)
+    assert all(v > 0 for v in res["ttft_ms"].values())
+
+
+def test_warm_then_answer_reuses_every_chunk(tiny: LoadedModel) -> None:
+    llm = LLM(tiny, store=memory_config(1 << 24))
+    ids = llm.warm(REQUEST)
+    assert len(ids) == len(REQUEST.chunks)
+    out = llm.answer(REQUEST, SamplingParams(max_tokens=3), "naive", forced=[5, 6])
+    assert [c.variant_id for c in out.report.chunks] == ids
+    assert out.forced_logits is not None and out.forced_logits.shape[0] == 2
+    # naive computes only the question: the computed rows lie after the last chunk
+    last_chunk_end = out.plan.chunks[-1].slot.end
+    assert bool(torch.all(out.rows >= last_chunk_end))
+    assert out.rows.shape == out.rows_last_layer.shape
+
+
+def test_llm_takes_reuse_settings_once(tiny: LoadedModel) -> None:
+    with pytest.raises(BadRequestError, match="given twice"):
+        LLM(tiny, config=ReuseConfig(), alpha=0.5)
