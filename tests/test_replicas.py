@@ -30,7 +30,7 @@ class Replica:
         args = [
             sys.executable, "-m", "cachecraft.cli", "serve", "--model", str(model),
             "--port", "0", "--cache-dir", str(root / name), "--redis-url", redis_url,
-            "--storage-dtype", "float32", "--log-level", "info",
+            "--storage-dtype", "float32", "--log-level", "info", "--admit-all-below", "0",
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
         self.url = ""

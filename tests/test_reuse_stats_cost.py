@@ -28,7 +28,9 @@ def _prefill(runner: Runner, mode: str, precompute: bool = False):
 
 
 def test_refused_chunk_gets_no_statistics(tiny_dir: Path) -> None:
-    store = make_store(StoreConfig(memory_bytes=1 << 26, doorkeeper_threshold=2))
+    store = make_store(
+        StoreConfig(memory_bytes=1 << 26, doorkeeper_threshold=2, admit_all_below=0.0)
+    )
     llm = LLM(str(tiny_dir), store=store)
     runner = llm.runner
     # First sighting: the doorkeeper would refuse both chunks, so no row pays for statistics.

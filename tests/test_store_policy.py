@@ -13,6 +13,7 @@ SIZE = 512
 
 
 def memory_store(policy: str, threshold: int, slots: int = 3, **kw: object) -> TieredStore:
+    kw.setdefault("admit_all_below", 0.0)  # the doorkeeper decides from the first offer
     cfg = StoreConfig(
         memory_bytes=slots * SIZE, policy=policy, doorkeeper_threshold=threshold, **kw
     )
@@ -149,3 +150,15 @@ def test_unknown_policy() -> None:
         make_policy("fifo")
     with pytest.raises(ValueError):
         StoreConfig(policy="fifo")
+
+
+def test_with_room_to_spare_every_chunk_is_admitted_on_first_sight() -> None:
+    store = memory_store("value", threshold=2, slots=4, admit_all_below=0.5)
+    assert store.would_admit("a")  # empty: room to spare
+    assert request(store, "a") == "stored"  # first sighting, admitted
+    store.ROOM_RECHECK_S = 0.0  # measure the fill at every decision
+    assert request(store, "b") == "stored"  # 1 of 4 slots used: still below half
+    assert not store.would_admit("c")  # 2 of 4 slots: the doorkeeper decides again
+    assert request(store, "c") == "refused"
+    assert store.stats().rejected["doorkeeper"] == 1
+    assert request(store, "c") == "stored"  # its second sighting

@@ -14,10 +14,12 @@ from cachecraft.store.store import TieredStore
 
 
 def _disk_store(root: Path, **kw: object) -> TieredStore:
+    kw.setdefault("admit_all_below", 0.0)  # the doorkeeper decides from the first offer
     return TieredStore(StoreConfig(cache_dir=str(root), doorkeeper_threshold=2, **kw))
 
 
 def _redis_store(url: str, **kw: object) -> TieredStore:
+    kw.setdefault("admit_all_below", 0.0)
     return TieredStore(
         StoreConfig(redis_url=url, redis_prefix="shared:", doorkeeper_threshold=2, **kw)
     )

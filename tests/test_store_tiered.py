@@ -68,7 +68,9 @@ def test_open_layers_from_memory(tmp_path: Path) -> None:
 
 def test_stats_as_dict_and_tier_sizes(tmp_path: Path) -> None:
     store = TieredStore(
-        StoreConfig(memory_bytes=SIZE, cache_dir=str(tmp_path), doorkeeper_threshold=2)
+        StoreConfig(
+            memory_bytes=SIZE, cache_dir=str(tmp_path), doorkeeper_threshold=2, admit_all_below=0
+        )
     )
     store.record_miss("a")
     assert not store.offer(make_variant("a"))

@@ -52,6 +52,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=store.doorkeeper_threshold,
         help="admit a chunk's cache once it was seen this often (shared by replicas)",
     )
+    p.add_argument(
+        "--admit-all-below",
+        type=float,
+        default=store.admit_all_below,
+        help="while the largest tier is filled below this share, admit every chunk on first "
+        "sight (0: the doorkeeper always decides)",
+    )
     p.add_argument("--max-variants-per-chunk", type=int, default=store.max_variants_per_chunk)
     p.add_argument(
         "--storage-dtype", default=store.storage_dtype, choices=("float16", "bfloat16", "float32")
@@ -139,6 +146,7 @@ def main_serve(args: argparse.Namespace) -> int:
             redis_url=args.redis_url,
             redis_prefix=args.redis_prefix,
             doorkeeper_threshold=args.doorkeeper_threshold,
+            admit_all_below=args.admit_all_below,
             max_variants_per_chunk=args.max_variants_per_chunk,
             storage_dtype=args.storage_dtype,
         ),

@@ -66,6 +66,7 @@ class TieredStore:
         self.doorkeeper = Doorkeeper(
             config.doorkeeper_threshold, config.doorkeeper_size, counter=self.tally
         )
+        self._room, self._room_at = False, float("-inf")  # see _has_room
         self._stats_by_id: dict[str, VariantStats] = {}
         self._pinned: dict[str, Variant] = {}
         self._tick = self.tally.now()
@@ -153,7 +154,7 @@ class TieredStore:
         chunk, vid = variant.chunk_key, variant.variant_id
         with self._lock:
             self.doorkeeper.sight_offer(chunk)
-            if not self.doorkeeper.admits(chunk):
+            if not (self.doorkeeper.admits(chunk) or self._has_room()):
                 self._stats.rejected["doorkeeper"] += 1
                 return False
             st = self._stats_of(vid)  # a re-offered variant keeps its hit history
@@ -203,7 +204,7 @@ class TieredStore:
 
     def would_admit(self, chunk_key: str) -> bool:
         with self._lock:
-            return self.doorkeeper.would_admit_after_miss(chunk_key)
+            return self.doorkeeper.would_admit_after_miss(chunk_key) or self._has_room()
 
     def record_miss(self, chunk_key: str) -> None:
         tick = self.tally.tick()
@@ -435,6 +436,24 @@ class TieredStore:
         return any(variant_id in t for t in self.ram) or (
             self.disk is not None and variant_id in self.disk
         )
+
+    ROOM_RECHECK_S = 1.0
+    """How long a fill measurement of the largest tier is trusted (it may be a SQL sum or a
+    Redis round trip; admission asks on every offer and every missed chunk)."""
+
+    def _has_room(self) -> bool:
+        """Is the largest tier filled below `admit_all_below` of its capacity? Caller holds
+        the lock."""
+        share = self.config.admit_all_below
+        if share <= 0.0:
+            return False
+        now = time.monotonic()
+        if now - self._room_at >= self.ROOM_RECHECK_S:
+            tiers = [*self.ram, *(t for t in (self.disk, self.redis) if t is not None)]
+            largest = max(tiers, key=lambda t: t.capacity_bytes)
+            self._room = largest.nbytes < share * largest.capacity_bytes
+            self._room_at = now
+        return self._room
 
     def _max_cap(self) -> int:
         caps = [t.capacity_bytes for t in self.ram]
