@@ -71,9 +71,9 @@ def test_stats_as_dict_and_tier_sizes(tmp_path: Path) -> None:
         StoreConfig(memory_bytes=SIZE, cache_dir=str(tmp_path), doorkeeper_threshold=2)
     )
     store.record_miss("a")
-    assert not store.offer(make_variant("a"))
+    assert not store.offer(make_variant("a")).stored
     store.record_miss("a")
-    assert store.offer(make_variant("a"))
+    assert store.offer(make_variant("a")).stored
     d = store.stats().as_dict()
     assert d["misses"] == 2 and d["admitted"] == 1 and d["rejected"] == {"doorkeeper": 1}
     assert d["nbytes"]["memory"] == SIZE and d["num_variants"] == {"memory": 1, "disk": 1}
@@ -83,7 +83,7 @@ def test_stats_as_dict_and_tier_sizes(tmp_path: Path) -> None:
 
 def test_variant_bigger_than_every_tier_is_refused() -> None:
     store = TieredStore(StoreConfig(memory_bytes=SIZE, doorkeeper_threshold=1))
-    assert not store.offer(make_variant("big", num_tokens=64))
+    assert not store.offer(make_variant("big", num_tokens=64)).stored
     assert store.stats().rejected["too_big"] == 1 and len(store) == 0
     store.check_integrity()
 
@@ -178,8 +178,8 @@ def test_pinned_variant_survives_eviction_until_removed() -> None:
     store = TieredStore(StoreConfig(memory_bytes=SIZE, doorkeeper_threshold=1, policy="lru"))
     pinned, other = make_variant("p"), make_variant("o")
     store.pin(pinned)  # never offered: pinning alone serves it
-    assert store.offer(other)
-    assert store.offer(make_variant("x"))  # evicts `other` from the one-slot memory tier
+    assert store.offer(other).stored
+    assert store.offer(make_variant("x")).stored  # evicts `other` from the one-slot memory tier
     assert store.load(other.variant_id) is None
     assert [m.variant_id for m in store.variants("p")] == [pinned.variant_id]
     got = store.load(pinned.variant_id)

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from cachecraft.store.base import StorageDtype, TierHealth
+from cachecraft.store.base import OfferResult, RefusalReason, StorageDtype, TierHealth
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import DiskTier
 from cachecraft.store.layers import LayerReader, ReadAheadLayerReader, TensorLayerReader
@@ -149,13 +149,13 @@ class TieredStore:
             self._use += 1
             st.last_use = self._use
 
-    def offer(self, variant: Variant) -> bool:
+    def offer(self, variant: Variant) -> OfferResult:
         chunk, vid = variant.chunk_key, variant.variant_id
         with self._lock:
             self.doorkeeper.sight_offer(chunk)
             if not self.doorkeeper.admits(chunk):
                 self._stats.rejected["doorkeeper"] += 1
-                return False
+                return OfferResult(vid, False, "doorkeeper")
             st = self._stats_of(vid)  # a re-offered variant keeps its hit history
             if st is None:
                 st = VariantStats(vid, chunk, variant.meta.num_tokens, variant.nbytes)
@@ -165,22 +165,30 @@ class TieredStore:
             st.last_use = self._use
             if not self._enforce_chunk_cap(st):
                 self._stats.rejected["chunk_cap"] += 1
-                return False
+                return OfferResult(vid, False, "chunk_cap")
             self._stats_by_id[vid] = st
             stored = self._place(variant)
+        write_error = None
         if self.disk is not None:
+            errors_before = self.disk.num_write_errors
             stored = self._disk_put(variant, st) or stored
+            if self.disk.num_write_errors > errors_before:
+                write_error = self.disk.last_write_error
         if self.redis is not None:
             stored = self.redis.put(variant, st, _in_order) is not None or stored
+        reason: RefusalReason | None = None
+        if not stored:
+            if write_error is not None:
+                reason = "write_failed"
+            else:
+                reason = "value" if variant.nbytes <= self._max_cap() else "too_big"
         with self._lock:
-            if stored:
+            if reason is None:
                 self._stats.admitted += 1
             else:
-                self._stats.rejected[
-                    "value" if variant.nbytes <= self._max_cap() else "too_big"
-                ] += 1
+                self._stats.rejected[reason] += 1
                 self._stats_by_id.pop(vid, None)
-        return stored
+        return OfferResult(vid, stored, reason, write_error)
 
     def record_hit(self, variant_id: str, cfo: float) -> None:
         tick = self.tally.tick()
