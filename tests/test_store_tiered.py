@@ -8,6 +8,7 @@ import pytest
 import torch
 from store_helpers import make_variant
 
+from cachecraft.errors import PinLimitError
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
@@ -190,6 +191,28 @@ def test_pinned_variant_survives_eviction_until_removed() -> None:
     assert store.remove("p") == 1
     assert store.variants("p") == [] and store.pinned_chunk_keys() == set()
     store.check_integrity()
+
+
+def test_pins_are_capped_per_namespace() -> None:
+    cap = 2 * SIZE
+    store = TieredStore(StoreConfig(memory_bytes=SIZE, max_pinned_bytes_per_namespace=cap))
+    a1, a2, a3 = (make_variant(k) for k in ("a1", "a2", "a3"))
+    store.pin(a1, "alice")
+    store.pin(a2, "alice")
+    store.pin(a2, "alice")  # pinned already: no-op, not counted twice
+    with pytest.raises(PinLimitError, match=r"'alice' has 1024 bytes pinned.*=1024"):
+        store.pin(a3, "alice")
+    assert store.pinned_chunk_keys() == {"a1", "a2"}  # the refused pin left nothing behind
+    store.pin(make_variant("b1"), "bob")  # another tenant has its own allowance
+    assert store.remove("a1") == 1
+    store.pin(a3, "alice")  # room again
+    assert store.pinned_chunk_keys() == {"a2", "a3", "b1"}
+    store.clear()
+    store.pin(a1, "alice")
+    store.pin(a2, "alice")
+    store.check_integrity()
+    with pytest.raises(ValueError, match="max_pinned_bytes_per_namespace"):
+        StoreConfig(max_pinned_bytes_per_namespace=-1)
 
 
 def test_health_lists_each_configured_tier(tmp_path: Path) -> None:

@@ -79,7 +79,7 @@ def precompute(
     if offered.reason == "doorkeeper":
         offered = store.offer(variant)
     if pin:
-        store.pin(variant)
+        store.pin(variant, request.namespace)  # PinLimitError: a 400 naming the cap
     label = request.chunks[0].id
     registry.add(request.namespace, variant.chunk_key, label, variant.meta.num_tokens)
     row: dict[str, Any] = {

@@ -109,9 +109,11 @@ class ChunkStore(Protocol):
         with read-ahead); None if the variant is nowhere. The caller closes it."""
         ...
 
-    def pin(self, variant: Variant) -> None:
+    def pin(self, variant: Variant, namespace: str = "default") -> None:
         """Keep `variant` in memory and never evict it (it is served even when admission or
-        capacity would refuse it) until `remove` of its chunk or `clear`."""
+        capacity would refuse it) until `remove` of its chunk or `clear`. The bytes count
+        against `namespace` (the tenant that asked); past `max_pinned_bytes_per_namespace`
+        it raises PinLimitError and pins nothing. Pinning a pinned variant again is a no-op."""
         ...
 
     def pinned_chunk_keys(self) -> set[str]:

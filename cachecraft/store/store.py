@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from cachecraft.errors import PinLimitError
 from cachecraft.store.base import OfferResult, RefusalReason, StorageDtype, TierHealth
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import DiskTier
@@ -68,6 +69,7 @@ class TieredStore:
         )
         self._stats_by_id: dict[str, VariantStats] = {}
         self._pinned: dict[str, Variant] = {}
+        self._pin_namespace: dict[str, str] = {}  # variant id -> the namespace that pinned it
         self._tick = self.tally.now()
         self._use = 0
         self._closed = False
@@ -493,9 +495,27 @@ class TieredStore:
             return [s.variant_id for s in self.policy.order([s for s in known if s], self._tick)]
 
     # -- pinning --------------------------------------------------------------------------
-    def pin(self, variant: Variant) -> None:
+    def pin(self, variant: Variant, namespace: str = "default") -> None:
+        cap = self.config.max_pinned_bytes_per_namespace
+        vid = variant.variant_id
         with self._lock:
-            self._pinned[variant.variant_id] = variant
+            if vid in self._pinned:
+                return
+            if cap is not None:
+                used = sum(
+                    self._pinned[i].nbytes
+                    for i, ns in self._pin_namespace.items()
+                    if ns == namespace
+                )
+                if used + variant.nbytes > cap:
+                    raise PinLimitError(
+                        f"namespace {namespace!r} has {used} bytes pinned; pinning "
+                        f"{variant.nbytes} more would pass max_pinned_bytes_per_namespace={cap}: "
+                        "unpin chunks (DELETE /v1/chunks/{chunk_key}) or raise "
+                        "--max-pinned-bytes-per-namespace"
+                    )
+            self._pinned[vid] = variant
+            self._pin_namespace[vid] = namespace
 
     def pinned_chunk_keys(self) -> set[str]:
         with self._lock:
@@ -526,6 +546,7 @@ class TieredStore:
             ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
             for i in ids:
                 del self._pinned[i]
+                self._pin_namespace.pop(i, None)
             ids |= {v for t in self.ram for v in t.chunk_ids(chunk_key)}
             if self.disk is not None:
                 ids |= {m.variant_id for m in self.disk.metas(chunk_key)}
@@ -538,6 +559,7 @@ class TieredStore:
     def clear(self) -> None:
         with self._lock:
             self._pinned.clear()
+            self._pin_namespace.clear()
             for tier in self.ram:
                 tier.clear()
             if self.disk is not None:
