@@ -29,5 +29,9 @@ class BadRequestError(CachecraftError):
     """A request is malformed (empty question, a chunk that is not text, ...)."""
 
 
+class PinLimitError(CachecraftError):
+    """Pinning a variant would take a namespace past `StoreConfig.max_pinned_bytes_per_namespace`."""
+
+
 class StoreUnavailableError(CachecraftError):
     """A store location (cache directory, Redis) cannot be used; the message says which."""

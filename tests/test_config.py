@@ -33,6 +33,23 @@ def test_store_config_rejects_a_bad_storage_dtype() -> None:
         StoreConfig(storage_dtype="int4")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [
+        ("--max-pinned-bytes-per-namespace", "-1", "max_pinned_bytes_per_namespace"),
+        ("--max-variants-per-chunk", "0", "max_variants_per_chunk"),
+    ],
+)
+def test_a_bad_serve_setting_is_one_line(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, needle: str
+) -> None:
+    from cachecraft.cli import main
+
+    assert main(["serve", "--port", "0", "--cache-dir", "", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: bad setting:") and needle in err and "Traceback" not in err
+
+
 def test_cache_home_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_home() == tmp_path / "cachecraft"

@@ -23,15 +23,25 @@ OTHER = {"id": "de", "text": "Berlin is the capital of Germany. It lies on the S
 
 
 class Replica:
-    """One `cachecraft serve` child process; its log goes to a file."""
+    """One `cachecraft serve` child process; its log goes to a file. Its disk tier is
+    `cache_dir` (default: its own directory under root); `redis_url` None: no shared tier."""
 
-    def __init__(self, name: str, model: Path, root: Path, redis_url: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        root: Path,
+        redis_url: str | None,
+        cache_dir: Path | None = None,
+    ) -> None:
         self.log = root / f"{name}.log"
         args = [
             sys.executable, "-m", "cachecraft.cli", "serve", "--model", str(model),
-            "--port", "0", "--cache-dir", str(root / name), "--redis-url", redis_url,
+            "--port", "0", "--cache-dir", str(cache_dir or root / name),
             "--storage-dtype", "float32", "--log-level", "info", "--admit-all-below", "0",
         ]  # fmt: skip
+        if redis_url is not None:
+            args += ["--redis-url", redis_url]
         self.proc = subprocess.Popen(args, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
         self.url = ""
 

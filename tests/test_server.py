@@ -277,6 +277,31 @@ def test_api_keys_and_namespaces(small: LoadedModel) -> None:
         assert httpx.get(base + "/v1/chunks", headers=h1).json()["data"] == []
 
 
+def test_pin_cap_per_namespace(small: LoadedModel) -> None:
+    llm = LLM(small, store=MemoryStore(1 << 30))
+    (one,) = llm.precompute([Chunk(DOCS[0], "p")])
+    loaded = llm.store.load(one)
+    assert loaded is not None
+    cap = loaded.nbytes * 3 // 2  # one of these documents fits, two do not
+    keys = ServerConfig(api_keys=("k1", "k2"))
+    store = StoreConfig(max_pinned_bytes_per_namespace=cap)
+    with start_server("cachecraft", loaded=small, server=keys, store=store) as base:
+        h1, h2 = ({"authorization": f"Bearer {k}"} for k in ("k1", "k2"))
+
+        def pin(doc: str, headers: dict[str, str]) -> httpx.Response:
+            body = {"documents": [{"id": "p", "text": doc}], "pin": True}
+            return httpx.post(base + "/v1/chunks", json=body, headers=headers, timeout=60)
+
+        assert pin(DOCS[0], h1).json()["data"][0]["pinned"]
+        refused = pin(DOCS[1], h1)
+        assert refused.status_code == 400
+        message = refused.json()["error"]["message"]
+        assert "max_pinned_bytes_per_namespace" in message and "Traceback" not in message
+        assert pin(DOCS[1], h2).json()["data"][0]["pinned"]  # k2 is another tenant
+        listed = httpx.get(base + "/v1/chunks", headers=h1).json()
+        assert listed["stats"]["num_pinned"] == 1
+
+
 def test_backpressure_and_disconnect(small: LoadedModel) -> None:
     tight = EngineConfig(token_budget=512, max_running=1, max_queue=1)
     with start_server("full", loaded=small, engine=tight) as base:

@@ -38,7 +38,7 @@ def test_write_through_demotion_and_promotion(tmp_path: Path) -> None:
     vs = [make_variant(k, seed=i) for i, k in enumerate("abc")]
     for v in vs:
         store.record_miss(v.chunk_key)
-        assert store.offer(v)
+        assert store.offer(v).stored
         store.check_integrity()
     assert vs[0].variant_id not in store.ram[0] and vs[0].variant_id in store.disk  # type: ignore[operator]
     got = store.load(vs[0].variant_id)  # from disk, promoted to memory
@@ -101,7 +101,7 @@ def test_live_process_temp_file_is_left_alone(tmp_path: Path) -> None:
 def test_corrupted_file_is_a_miss_never_served(tmp_path: Path) -> None:
     store = disk_store(tmp_path, memory_slots=0)
     v = make_variant("a")
-    assert store.offer(v)
+    assert store.offer(v).stored
     path = file_of(tmp_path, v.variant_id)
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF  # flip a bit of the last tensor
@@ -153,10 +153,10 @@ def test_layer_reader_reads_every_layer_and_counts_time(tmp_path: Path) -> None:
 def test_two_stores_share_one_directory(tmp_path: Path) -> None:
     one, two = disk_store(tmp_path, memory_slots=0), disk_store(tmp_path, memory_slots=0)
     a, b = make_variant("a"), make_variant("b")
-    assert one.offer(a)
+    assert one.offer(a).stored
     assert [m.variant_id for m in two.variants("a")] == [a.variant_id]
     assert two.load(a.variant_id) is not None
-    assert two.offer(b)
+    assert two.offer(b).stored
     assert one.load(b.variant_id) is not None
     assert two.remove("a") == 1
     assert one.load(a.variant_id) is None  # gone from under it: a miss, no error
@@ -177,11 +177,11 @@ def test_disk_capacity_evicts_by_policy(tmp_path: Path) -> None:
     store = TieredStore(cfg)
     for v in vs[:3]:
         store.record_miss(v.chunk_key)
-        assert store.offer(v)
+        assert store.offer(v).stored
     store.record_hit(vs[0].variant_id, 0.0)
     store.record_hit(vs[2].variant_id, 0.0)
     store.record_miss("d")
-    assert store.offer(vs[3])  # room for three: b (no hits) goes
+    assert store.offer(vs[3]).stored  # room for three: b (no hits) goes
     store.check_integrity()
     assert store.load(vs[1].variant_id) is None
     assert [e for e in store.eviction_log] == [("disk", vs[1].variant_id, "capacity")]
@@ -191,7 +191,7 @@ def test_disk_capacity_evicts_by_policy(tmp_path: Path) -> None:
 def test_int8_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
     store = disk_store(tmp_path, memory_slots=0, int8=True)
     v = make_variant("a", num_tokens=16, head_dim=8, dtype=dtype)
-    assert store.offer(v)
+    assert store.offer(v).stored
     got = store.load(v.variant_id)
     assert got is not None and got.keys.dtype == dtype
     for ref, out in ((v.keys, got.keys), (v.values, got.values)):

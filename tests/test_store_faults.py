@@ -76,7 +76,7 @@ def test_store_offer_survives_a_failing_disk(tmp_path: Path) -> None:
     store = TieredStore(StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1))
     v = make_variant("a")
     with writes_fail_past(64):
-        assert store.offer(v)  # kept in memory; the disk copy was not written
+        assert store.offer(v).stored  # kept in memory; the disk copy was not written
     assert store.load(v.variant_id) is not None
     assert list(tmp_path.glob(".*.tmp")) == [] and list(tmp_path.glob("*.safetensors")) == []
     store.check_integrity()
@@ -91,7 +91,8 @@ def test_chunks_api_reports_a_failed_disk_write(tiny: LoadedModel, tmp_path: Pat
             r = httpx.post(url + "/v1/chunks", json=body, timeout=60)
         assert r.status_code == 200, r.text
         row = r.json()["data"][0]
-        assert row["stored"] and "disk write failed" in row["not_stored_reason"]
+        assert row["stored"] and row["not_stored_reason"] == "write_failed"
+        assert "disk write failed" in row["not_stored_detail"]
         assert list((tmp_path / "cache").glob(".*.tmp")) == []
         assert httpx.get(url + "/health", timeout=60).status_code == 200
 
@@ -121,10 +122,10 @@ def lose_index(root: Path) -> None:
 def test_lost_index_loses_no_acknowledged_write(tmp_path: Path) -> None:
     store = TieredStore(StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1))
     before = make_variant("a")
-    assert store.offer(before)
+    assert store.offer(before).stored
     lose_index(tmp_path)  # deleted under a running store
     after = make_variant("b", seed=1)
-    assert store.offer(after)  # acknowledged after the loss
+    assert store.offer(after).stored  # acknowledged after the loss
     store.close()
     again = TieredStore(StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1))
     assert again.disk is not None and again.disk.recovery.adopted_files == 2

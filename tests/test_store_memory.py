@@ -13,7 +13,7 @@ SIZE = 512  # bytes of one default test variant
 def test_offer_load_variants_roundtrip() -> None:
     store = MemoryStore(capacity_bytes=4 * SIZE)
     v = make_variant("a")
-    assert store.offer(v)
+    assert store.offer(v).stored
     store.check_integrity()
     assert len(store) == 1 and store.nbytes == SIZE
     assert [m.variant_id for m in store.variants("a")] == [v.variant_id]
@@ -27,14 +27,14 @@ def test_lru_eviction_order_with_hits() -> None:
     store = MemoryStore(capacity_bytes=3 * SIZE)
     a, b, c, d, e = (make_variant(k) for k in "abcde")
     for v in (a, b, c):
-        assert store.offer(v)
+        assert store.offer(v).stored
         store.check_integrity()
     store.record_hit(a.variant_id, 0.2)  # order now b, c, a
-    assert store.offer(d)  # evicts b
+    assert store.offer(d).stored  # evicts b
     store.check_integrity()
     assert store.variant_ids() == [c.variant_id, a.variant_id, d.variant_id]
     assert store.load(c.variant_id) is not None  # order a, d, c
-    assert store.offer(e)  # evicts a
+    assert store.offer(e).stored  # evicts a
     store.check_integrity()
     assert store.variant_ids() == [d.variant_id, c.variant_id, e.variant_id]
     assert sum(store.stats().evictions.values()) == 2
@@ -46,7 +46,7 @@ def test_bigger_than_capacity_is_refused_and_evicts_nothing() -> None:
     small = make_variant("a")
     store.offer(small)
     big = make_variant("big", num_tokens=32)  # 2048 bytes
-    assert not store.offer(big)
+    assert not store.offer(big).stored
     store.check_integrity()
     assert store.variant_ids() == [small.variant_id]
 
@@ -57,7 +57,7 @@ def test_large_variant_evicts_several() -> None:
     for v in small:
         store.offer(v)
     big = make_variant("big", num_tokens=16)  # 1024 bytes: two small ones go
-    assert store.offer(big)
+    assert store.offer(big).stored
     store.check_integrity()
     assert store.variant_ids() == [small[2].variant_id, small[3].variant_id, big.variant_id]
 
@@ -71,7 +71,7 @@ def test_cap_per_chunk_evicts_that_chunks_lru_variant() -> None:
     for v in (v1, v2, other):
         store.offer(v)
     store.record_hit(v1.variant_id, 0.1)  # v2 is now the chunk's least recently used
-    assert store.offer(v3)
+    assert store.offer(v3).stored
     store.check_integrity()
     assert {m.variant_id for m in store.variants("c")} == {v1.variant_id, v3.variant_id}
     assert other.variant_id in store

@@ -28,7 +28,7 @@ def request(store: TieredStore, key: str, cfo: float = 0.0) -> str:
         result = "hit"
     else:
         store.record_miss(key)
-        result = "stored" if store.offer(make_variant(key)) else "refused"
+        result = "stored" if store.offer(make_variant(key)).stored else "refused"
     store.check_integrity()
     return result
 
@@ -113,10 +113,10 @@ def test_chunk_cap_keeps_most_valuable() -> None:
         StoreConfig(memory_bytes=100 * SIZE, doorkeeper_threshold=1, max_variants_per_chunk=2)
     )
     v1, v2, v3 = (make_variant("c", s_old=(s,)) for s in "xyz")
-    assert store.offer(v1) and store.offer(v2)
+    assert store.offer(v1).stored and store.offer(v2).stored
     store.record_hit(v1.variant_id, 0.0)
     store.record_hit(v2.variant_id, 0.9)
-    assert store.offer(v3)  # v2 saves least (CFO 0.9) and goes
+    assert store.offer(v3).stored  # v2 saves least (CFO 0.9) and goes
     store.check_integrity()
     assert {m.variant_id for m in store.variants("c")} == {v1.variant_id, v3.variant_id}
     assert store.stats().evictions["memory:chunk_cap"] == 1

@@ -42,7 +42,7 @@ def redis_store(url: str, memory_slots: int = 2, **kw: object) -> TieredStore:
 def test_chunk_computed_once_is_reusable_by_another_process(server: RedisServer) -> None:
     one, two = redis_store(server.url), redis_store(server.url)
     v = make_variant("a")
-    assert one.offer(v)
+    assert one.offer(v).stored
     metas = two.variants("a")
     assert [m.variant_id for m in metas] == [v.variant_id]
     got = two.load(v.variant_id)
@@ -93,16 +93,16 @@ def test_redis_capacity_drops_least_recently_used(server: RedisServer) -> None:
 def test_redis_killed_mid_run_then_restarted(server: RedisServer, tmp_path: Path) -> None:
     store = redis_store(server.url, memory_slots=1, cache_dir=str(tmp_path))
     local, remote_only = make_variant("local"), make_variant("remote")
-    assert store.offer(local)
+    assert store.offer(local).stored
     other = redis_store(server.url)
-    assert other.offer(remote_only)
+    assert other.offer(remote_only).stored
 
     server.stop()  # Redis gone mid-run: no exception, local tiers keep serving
     assert store.load(local.variant_id) is not None
     assert store.variants("remote") == []
     assert store.load(remote_only.variant_id) is None
     fresh = make_variant("fresh")
-    assert store.offer(fresh)  # stored locally
+    assert store.offer(fresh).stored  # stored locally
     assert store.load(fresh.variant_id) is not None
     assert store.stats().redis_errors >= 1
     assert store.redis.is_down  # type: ignore[union-attr]
@@ -115,7 +115,7 @@ def test_redis_killed_mid_run_then_restarted(server: RedisServer, tmp_path: Path
         store.offer(make_variant("probe"))
     assert not store.redis.is_down  # type: ignore[union-attr]
     again = make_variant("again")
-    assert store.offer(again)
+    assert store.offer(again).stored
     assert [m.variant_id for m in other.variants("again")] == [again.variant_id]
     store.check_integrity()
 
@@ -125,7 +125,7 @@ def test_unreachable_redis_from_the_start(tmp_path: Path) -> None:
 
     store = redis_store(f"redis://127.0.0.1:{free_port()}/0", cache_dir=str(tmp_path))
     v = make_variant("a")
-    assert store.offer(v)  # disk and memory took it
+    assert store.offer(v).stored  # disk and memory took it
     assert [m.variant_id for m in store.variants("a")] == [v.variant_id]
     assert store.load(v.variant_id) is not None
     assert store.stats().redis_errors >= 1

@@ -29,9 +29,9 @@ def test_two_stores_on_one_directory_count_sightings_once(tmp_path: Path) -> Non
     one, two = _disk_store(tmp_path), _disk_store(tmp_path)
     v = make_variant("a")
     one.record_miss("a")
-    assert not one.offer(v)  # first sighting anywhere: refused
+    assert not one.offer(v).stored  # first sighting anywhere: refused
     two.record_miss("a")  # the second sighting, seen by the other store
-    assert two.offer(v)
+    assert two.offer(v).stored
     assert one.doorkeeper.count("a") == two.doorkeeper.count("a") == 2
     assert [m.variant_id for m in one.variants("a")] == [v.variant_id]  # through the disk
     one.check_integrity()
@@ -54,7 +54,7 @@ def test_sightings_from_another_process_count_once(tmp_path: Path) -> None:
     here = _disk_store(tmp_path)
     assert here.doorkeeper.count("b") == 1  # miss + offer of one request: one sighting
     here.record_miss("b")
-    assert here.offer(make_variant("b"))  # second sighting overall: admitted
+    assert here.offer(make_variant("b")).stored  # second sighting overall: admitted
     assert here.doorkeeper.count("b") == 2
 
 
@@ -64,7 +64,7 @@ def test_hit_statistics_are_shared_through_redis(redis_server: RedisServer) -> N
     one.record_miss("c")
     one.offer(v)
     two.record_miss("c")
-    assert two.offer(v)
+    assert two.offer(v).stored
     for _ in range(3):
         assert one.load(v.variant_id) is not None
         one.record_hit(v.variant_id, 0.2)
@@ -84,7 +84,7 @@ def test_redis_down_counts_locally_without_errors(redis_server: RedisServer) -> 
     redis_server.stop()
     store.record_miss("d")  # the shared count is unreachable: counted locally, no error
     v = make_variant("d")
-    assert not store.offer(v)  # locally seen once since the outage
+    assert not store.offer(v).stored  # locally seen once since the outage
     store.record_miss("d")
     assert [h.is_reachable for h in store.health() if h.name == "redis"] == [False]
     assert store.variants("d") == []

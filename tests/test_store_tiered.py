@@ -8,6 +8,7 @@ import pytest
 import torch
 from store_helpers import make_variant
 
+from cachecraft.errors import PinLimitError
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
@@ -73,9 +74,9 @@ def test_stats_as_dict_and_tier_sizes(tmp_path: Path) -> None:
         )
     )
     store.record_miss("a")
-    assert not store.offer(make_variant("a"))
+    assert not store.offer(make_variant("a")).stored
     store.record_miss("a")
-    assert store.offer(make_variant("a"))
+    assert store.offer(make_variant("a")).stored
     d = store.stats().as_dict()
     assert d["misses"] == 2 and d["admitted"] == 1 and d["rejected"] == {"doorkeeper": 1}
     assert d["nbytes"]["memory"] == SIZE and d["num_variants"] == {"memory": 1, "disk": 1}
@@ -85,7 +86,7 @@ def test_stats_as_dict_and_tier_sizes(tmp_path: Path) -> None:
 
 def test_variant_bigger_than_every_tier_is_refused() -> None:
     store = TieredStore(StoreConfig(memory_bytes=SIZE, doorkeeper_threshold=1))
-    assert not store.offer(make_variant("big", num_tokens=64))
+    assert not store.offer(make_variant("big", num_tokens=64)).stored
     assert store.stats().rejected["too_big"] == 1 and len(store) == 0
     store.check_integrity()
 
@@ -180,8 +181,8 @@ def test_pinned_variant_survives_eviction_until_removed() -> None:
     store = TieredStore(StoreConfig(memory_bytes=SIZE, doorkeeper_threshold=1, policy="lru"))
     pinned, other = make_variant("p"), make_variant("o")
     store.pin(pinned)  # never offered: pinning alone serves it
-    assert store.offer(other)
-    assert store.offer(make_variant("x"))  # evicts `other` from the one-slot memory tier
+    assert store.offer(other).stored
+    assert store.offer(make_variant("x")).stored  # evicts `other` from the one-slot memory tier
     assert store.load(other.variant_id) is None
     assert [m.variant_id for m in store.variants("p")] == [pinned.variant_id]
     got = store.load(pinned.variant_id)
@@ -192,6 +193,28 @@ def test_pinned_variant_survives_eviction_until_removed() -> None:
     assert store.remove("p") == 1
     assert store.variants("p") == [] and store.pinned_chunk_keys() == set()
     store.check_integrity()
+
+
+def test_pins_are_capped_per_namespace() -> None:
+    cap = 2 * SIZE
+    store = TieredStore(StoreConfig(memory_bytes=SIZE, max_pinned_bytes_per_namespace=cap))
+    a1, a2, a3 = (make_variant(k) for k in ("a1", "a2", "a3"))
+    store.pin(a1, "alice")
+    store.pin(a2, "alice")
+    store.pin(a2, "alice")  # pinned already: no-op, not counted twice
+    with pytest.raises(PinLimitError, match=r"'alice' has 1024 bytes pinned.*=1024"):
+        store.pin(a3, "alice")
+    assert store.pinned_chunk_keys() == {"a1", "a2"}  # the refused pin left nothing behind
+    store.pin(make_variant("b1"), "bob")  # another tenant has its own allowance
+    assert store.remove("a1") == 1
+    store.pin(a3, "alice")  # room again
+    assert store.pinned_chunk_keys() == {"a2", "a3", "b1"}
+    store.clear()
+    store.pin(a1, "alice")
+    store.pin(a2, "alice")
+    store.check_integrity()
+    with pytest.raises(ValueError, match="max_pinned_bytes_per_namespace"):
+        StoreConfig(max_pinned_bytes_per_namespace=-1)
 
 
 def test_health_lists_each_configured_tier(tmp_path: Path) -> None:

@@ -318,7 +318,9 @@ class Runner:
         for key in outcome.misses:
             self.store.record_miss(key)
         for variant in variants:
-            self.store.offer(variant)
+            offered = self.store.offer(variant)
+            if not offered.stored:
+                log.debug("variant %s not stored: %s", offered.variant_id, offered.reason)
 
     def prefill(
         self,

@@ -14,7 +14,16 @@ from typing import Any
 from cachecraft.engine.engine import Engine
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.reuse.layout import PromptLayout
-from cachecraft.store.base import ChunkStore
+from cachecraft.store.base import ChunkStore, RefusalReason
+
+REFUSALS: dict[RefusalReason, str] = {
+    "doorkeeper": "the doorkeeper has not seen this chunk often enough",
+    "chunk_cap": "the chunk has max_variants_per_chunk more valuable variants",
+    "value": "the eviction policy values it below what it would have to evict",
+    "too_big": "bigger than every tier's capacity",
+    "write_failed": "every tier that would take it failed to write it",
+}
+"""The words for each OfferResult.reason in a precompute answer."""
 
 
 class ChunkRegistry:
@@ -57,21 +66,20 @@ def precompute(
     """Step thread: compute one document alone after the system prompt and store it.
 
     An explicit precompute is demand enough: a first offer turned away by the doorkeeper
-    (chunk seen once) is repeated. A disk write that failed (full, unwritable) is reported in
-    `not_stored_reason`; the variant may still be served from memory (`stored`)."""
+    (chunk seen once) is repeated. Why the store turned the variant away (`OfferResult.reason`)
+    or that a write failed ("write_failed": disk full or unwritable; the variant may still be
+    served from memory, `stored`) is reported in `not_stored_reason`, with the words in
+    `not_stored_detail`."""
     runner = engine.runner
     plan = runner.plan(request, "cachecraft", lookup=False, layout=layout)
     job = runner.start(plan, precompute=True)
     outcome = runner.finish(job, runner.loaded.model.forward_step([job.work])[0])
     variant = runner.variants(outcome)[-1]
-    errors_before = store.stats().disk_write_errors
-    stored = store.offer(variant) or store.offer(variant)
-    reason = None
-    after = store.stats()
-    if after.disk_write_errors > errors_before:
-        reason = f"disk write failed: {after.last_disk_write_error}"
+    offered = store.offer(variant)
+    if offered.reason == "doorkeeper":
+        offered = store.offer(variant)
     if pin:
-        store.pin(variant)
+        store.pin(variant, request.namespace)  # PinLimitError: a 400 naming the cap
     label = request.chunks[0].id
     registry.add(request.namespace, variant.chunk_key, label, variant.meta.num_tokens)
     row: dict[str, Any] = {
@@ -79,11 +87,15 @@ def precompute(
         "chunk_key": variant.chunk_key,
         "variant_id": variant.variant_id,
         "num_tokens": variant.meta.num_tokens,
-        "stored": stored or pin,
+        "stored": offered.stored or pin,
         "pinned": pin,
     }
-    if reason is not None or not (stored or pin):
-        row["not_stored_reason"] = reason or "the store turned the variant away (capacity)"
+    if offered.write_error is not None:
+        row["not_stored_reason"] = "write_failed"
+        row["not_stored_detail"] = f"disk write failed: {offered.write_error}"
+    elif offered.reason is not None and not pin:
+        row["not_stored_reason"] = offered.reason
+        row["not_stored_detail"] = REFUSALS[offered.reason]
     return row
 
 

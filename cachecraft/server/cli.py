@@ -12,7 +12,7 @@ from pathlib import Path
 from cachecraft.config import MODES
 from cachecraft.config_file import load_reuse_overrides, merge_overrides
 from cachecraft.engine.engine import EngineConfig
-from cachecraft.errors import StoreUnavailableError
+from cachecraft.errors import BadRequestError, StoreUnavailableError
 from cachecraft.server.config import ServerConfig
 from cachecraft.store.config import StoreConfig
 
@@ -60,6 +60,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "sight (0: the doorkeeper always decides)",
     )
     p.add_argument("--max-variants-per-chunk", type=int, default=store.max_variants_per_chunk)
+    p.add_argument(
+        "--max-pinned-bytes-per-namespace",
+        type=int,
+        default=store.max_pinned_bytes_per_namespace,
+        help="bytes one namespace may pin with POST /v1/chunks (default: no cap)",
+    )
     p.add_argument(
         "--storage-dtype", default=store.storage_dtype, choices=("float16", "bfloat16", "float32")
     )
@@ -120,14 +126,8 @@ def main_serve(args: argparse.Namespace) -> int:
             raise StoreUnavailableError(
                 f"cannot create the cache directory {cache_dir}: {e}"
             ) from None
-    serve(
-        args.mode,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        model=args.model,
-        reuse=reuse_config(**overrides),
-        server=ServerConfig(
+    try:  # a bad flag value is one line naming the setting, not a traceback
+        server = ServerConfig(
             api_keys=tuple(args.api_keys),
             share_namespace=args.share_namespace,
             max_documents=args.max_documents,
@@ -137,8 +137,8 @@ def main_serve(args: argparse.Namespace) -> int:
             watchdog_s=args.watchdog_s,
             metrics_public=args.metrics_public,
             shutdown_timeout_s=args.shutdown_timeout_s,
-        ),
-        store=StoreConfig(
+        )
+        store = StoreConfig(
             memory_bytes=args.memory_bytes,
             disk_bytes=args.disk_bytes,
             redis_bytes=args.redis_bytes,
@@ -149,12 +149,25 @@ def main_serve(args: argparse.Namespace) -> int:
             admit_all_below=args.admit_all_below,
             max_variants_per_chunk=args.max_variants_per_chunk,
             storage_dtype=args.storage_dtype,
-        ),
-        engine=EngineConfig(
+            max_pinned_bytes_per_namespace=args.max_pinned_bytes_per_namespace,
+        )
+        engine = EngineConfig(
             token_budget=args.token_budget,
             max_running=args.max_running,
             max_queue=args.max_queue,
             mode=args.mode,
-        ),
+        )
+    except ValueError as e:
+        raise BadRequestError(f"bad setting: {e}") from None
+    serve(
+        args.mode,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        model=args.model,
+        reuse=reuse_config(**overrides),
+        server=server,
+        store=store,
+        engine=engine,
     )
     return 0

@@ -8,6 +8,7 @@ configuration. Tiers below it (`RamTier`, `DiskTier`, `RedisTier`) share one `pu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
 from cachecraft.store.layers import LayerReader
@@ -16,6 +17,36 @@ from cachecraft.store.stats import StoreStats
 from cachecraft.store.variant import Variant
 
 StorageDtype = Literal["float16", "bfloat16", "float32"]
+
+RefusalReason = Literal["doorkeeper", "chunk_cap", "value", "too_big", "write_failed"]
+"""Why `offer` stored a variant nowhere: the doorkeeper has not seen its chunk often enough;
+the per-chunk cap (`max_variants_per_chunk`) keeps more valuable variants of the chunk; the
+eviction policy values it below what it would have to evict; it is bigger than every tier;
+every tier that would have taken it failed to write it (disk full or unwritable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OfferResult:
+    """What `ChunkStore.offer` did with one variant.
+
+    stored: at least one tier holds it now (then `reason` is None).
+    reason: why it is stored nowhere (None when stored); also the key of the store's
+    `StoreStats.rejected` counter it was counted under.
+    write_error: a tier's write failed (`"OSError: ..."`), whether or not another tier took
+    the variant; None when no write failed.
+    """
+
+    variant_id: str
+    stored: bool
+    reason: RefusalReason | None = None
+    write_error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stored == (self.reason is not None):
+            raise ValueError("an offer is stored with no reason, or refused with one")
+
+    def __bool__(self) -> bool:
+        raise TypeError("read OfferResult.stored (a result is not a truth value)")
 
 
 class TierHealth(NamedTuple):
@@ -45,9 +76,11 @@ class ChunkStore(Protocol):
         unreachable). Never raises for a missing variant."""
         ...
 
-    def offer(self, variant: Variant) -> bool:
-        """Offer a freshly computed variant; admission (doorkeeper, per-chunk cap, policy)
-        decides. Returns True if at least one tier stored it."""
+    def offer(self, variant: Variant) -> OfferResult:
+        """Offer a freshly computed variant; admission (doorkeeper, per-chunk cap, policy,
+        space) decides. Never raises for a refusal or a failed write: the result says whether
+        any tier stored it, why not (`OfferResult.reason`) and which write failed. Offering
+        a variant that is stored already refreshes it (its hit history is kept)."""
         ...
 
     def would_admit(self, chunk_key: str) -> bool:
@@ -76,9 +109,11 @@ class ChunkStore(Protocol):
         with read-ahead); None if the variant is nowhere. The caller closes it."""
         ...
 
-    def pin(self, variant: Variant) -> None:
+    def pin(self, variant: Variant, namespace: str = "default") -> None:
         """Keep `variant` in memory and never evict it (it is served even when admission or
-        capacity would refuse it) until `remove` of its chunk or `clear`."""
+        capacity would refuse it) until `remove` of its chunk or `clear`. The bytes count
+        against `namespace` (the tenant that asked); past `max_pinned_bytes_per_namespace`
+        it raises PinLimitError and pins nothing. Pinning a pinned variant again is a no-op."""
         ...
 
     def pinned_chunk_keys(self) -> set[str]:

@@ -53,6 +53,9 @@ class StoreConfig:
     """CFO assumed for a variant with no hits yet when estimating tokens saved per hit."""
     device: str = "cpu"
     layer_read_ahead: bool = True
+    max_pinned_bytes_per_namespace: int | None = None
+    """Pinned bytes one namespace (tenant) may hold in this process; None: no cap. Pinning past
+    it raises PinLimitError (HTTP 400 from POST /v1/chunks with "pin": true)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -63,5 +66,10 @@ class StoreConfig:
             raise ValueError("max_variants_per_chunk must be >= 1")
         if min(self.memory_bytes, self.host_bytes, self.disk_bytes, self.redis_bytes) < 0:
             raise ValueError("capacities must be >= 0")
+        if (
+            self.max_pinned_bytes_per_namespace is not None
+            and self.max_pinned_bytes_per_namespace < 0
+        ):
+            raise ValueError("max_pinned_bytes_per_namespace must be >= 0 (or None: no cap)")
         if self.storage_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"storage_dtype {self.storage_dtype!r}: float16, bfloat16 or float32")

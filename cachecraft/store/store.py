@@ -18,7 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from cachecraft.store.base import StorageDtype, TierHealth
+from cachecraft.errors import PinLimitError
+from cachecraft.store.base import OfferResult, RefusalReason, StorageDtype, TierHealth
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import DiskTier
 from cachecraft.store.layers import LayerReader, ReadAheadLayerReader, TensorLayerReader
@@ -69,6 +70,7 @@ class TieredStore:
         self._room, self._room_at = False, float("-inf")  # see _has_room
         self._stats_by_id: dict[str, VariantStats] = {}
         self._pinned: dict[str, Variant] = {}
+        self._pin_namespace: dict[str, str] = {}  # variant id -> the namespace that pinned it
         self._tick = self.tally.now()
         self._use = 0
         self._closed = False
@@ -150,13 +152,13 @@ class TieredStore:
             self._use += 1
             st.last_use = self._use
 
-    def offer(self, variant: Variant) -> bool:
+    def offer(self, variant: Variant) -> OfferResult:
         chunk, vid = variant.chunk_key, variant.variant_id
         with self._lock:
             self.doorkeeper.sight_offer(chunk)
             if not (self.doorkeeper.admits(chunk) or self._has_room()):
                 self._stats.rejected["doorkeeper"] += 1
-                return False
+                return OfferResult(vid, False, "doorkeeper")
             st = self._stats_of(vid)  # a re-offered variant keeps its hit history
             if st is None:
                 st = VariantStats(vid, chunk, variant.meta.num_tokens, variant.nbytes)
@@ -166,22 +168,30 @@ class TieredStore:
             st.last_use = self._use
             if not self._enforce_chunk_cap(st):
                 self._stats.rejected["chunk_cap"] += 1
-                return False
+                return OfferResult(vid, False, "chunk_cap")
             self._stats_by_id[vid] = st
             stored = self._place(variant)
+        write_error = None
         if self.disk is not None:
+            errors_before = self.disk.num_write_errors
             stored = self._disk_put(variant, st) or stored
+            if self.disk.num_write_errors > errors_before:
+                write_error = self.disk.last_write_error
         if self.redis is not None:
             stored = self.redis.put(variant, st, _in_order) is not None or stored
+        reason: RefusalReason | None = None
+        if not stored:
+            if write_error is not None:
+                reason = "write_failed"
+            else:
+                reason = "value" if variant.nbytes <= self._max_cap() else "too_big"
         with self._lock:
-            if stored:
+            if reason is None:
                 self._stats.admitted += 1
             else:
-                self._stats.rejected[
-                    "value" if variant.nbytes <= self._max_cap() else "too_big"
-                ] += 1
+                self._stats.rejected[reason] += 1
                 self._stats_by_id.pop(vid, None)
-        return stored
+        return OfferResult(vid, stored, reason, write_error)
 
     def record_hit(self, variant_id: str, cfo: float) -> None:
         tick = self.tally.tick()
@@ -504,9 +514,27 @@ class TieredStore:
             return [s.variant_id for s in self.policy.order([s for s in known if s], self._tick)]
 
     # -- pinning --------------------------------------------------------------------------
-    def pin(self, variant: Variant) -> None:
+    def pin(self, variant: Variant, namespace: str = "default") -> None:
+        cap = self.config.max_pinned_bytes_per_namespace
+        vid = variant.variant_id
         with self._lock:
-            self._pinned[variant.variant_id] = variant
+            if vid in self._pinned:
+                return
+            if cap is not None:
+                used = sum(
+                    self._pinned[i].nbytes
+                    for i, ns in self._pin_namespace.items()
+                    if ns == namespace
+                )
+                if used + variant.nbytes > cap:
+                    raise PinLimitError(
+                        f"namespace {namespace!r} has {used} bytes pinned; pinning "
+                        f"{variant.nbytes} more would pass max_pinned_bytes_per_namespace={cap}: "
+                        "unpin chunks (DELETE /v1/chunks/{chunk_key}) or raise "
+                        "--max-pinned-bytes-per-namespace"
+                    )
+            self._pinned[vid] = variant
+            self._pin_namespace[vid] = namespace
 
     def pinned_chunk_keys(self) -> set[str]:
         with self._lock:
@@ -537,6 +565,7 @@ class TieredStore:
             ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
             for i in ids:
                 del self._pinned[i]
+                self._pin_namespace.pop(i, None)
             ids |= {v for t in self.ram for v in t.chunk_ids(chunk_key)}
             if self.disk is not None:
                 ids |= {m.variant_id for m in self.disk.metas(chunk_key)}
@@ -549,6 +578,7 @@ class TieredStore:
     def clear(self) -> None:
         with self._lock:
             self._pinned.clear()
+            self._pin_namespace.clear()
             for tier in self.ram:
                 tier.clear()
             if self.disk is not None:
