@@ -127,15 +127,22 @@ class Runner:
         t_start: float | None = None,
         *,
         precompute: bool = False,
+        kv: KVCache | None = None,
     ) -> PrefillJob:
         """Splice the KV, run the plan's probe (if any), build the SeqWork. A variant that
         cannot be loaded becomes a miss; a prefix the cache dropped is computed.
 
         Statistics are collected only for missed chunks the store would admit (`precompute`:
-        for every chunk, whatever the store would say)."""
+        for every chunk, whatever the store would say). `kv`: the cache to fill (the engine's
+        pool slot; emptied first); None: a new one."""
         t0 = time.perf_counter() if t_start is None else t_start
         m, layout = self.loaded, plan.layout
-        kv = KVCache(m.arch, layout.num_tokens + extra_capacity, m.model.dtype, m.model.device)
+        capacity = layout.num_tokens + extra_capacity
+        if kv is None:
+            kv = KVCache(m.arch, capacity, m.model.dtype, m.model.device)
+        else:
+            kv.length = 0  # every prompt position is spliced or computed again below
+            kv.ensure_capacity(capacity)
         if plan.prefix_hit:
             prefix = self.prefix_cache.get(layout.prefix_key)
             if prefix is None:

@@ -1,9 +1,11 @@
 """Our Llama-family forward (Llama 2/3, SmolLM, Mistral, Qwen2) with explicit positions.
 
-One primitive, `forward_step`, runs any mix of sequences: each gives the rows (positions) it
+One primitive, `step`, runs any mix of sequences: each SeqWork gives the rows (positions) it
 computes over its own KVCache. A full prefill computes 0..n-1 on an empty cache; a partial
 prefill computes a subset over a spliced cache; a decode step computes one row. Linear layers
-run on all rows of all sequences at once; attention runs per sequence with an exact mask.
+run on all rows of all sequences at once; attention runs per SeqWork with an exact mask, and
+once per layer for all rows of a DecodeBatch (plain decodes over a KVPool, model/decode.py).
+`forward_step(works)` is `step(works)` without a batch.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import torch.nn.functional as F
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.arch import ModelArch
 from cachecraft.model.attention import causal_attention, span_onehot
+from cachecraft.model.decode import DecodePlan, attend_decode, plan_decode
 from cachecraft.model.rope import Rope
-from cachecraft.model.step import LayerView, SeqResult, SeqWork
+from cachecraft.model.step import DecodeBatch, LayerView, SeqResult, SeqWork, StepOutput
 
 
 class LayerWeights(NamedTuple):
@@ -116,9 +119,14 @@ class LlamaModel:
                 )
             )
 
-    @torch.inference_mode()
     def forward_step(self, works: list[SeqWork]) -> list[SeqResult]:
         """Run every layer for the rows of each SeqWork, writing their fresh K/V into its cache."""
+        return self.step(works).results
+
+    @torch.inference_mode()
+    def step(self, works: list[SeqWork], decode: DecodeBatch | None = None) -> StepOutput:
+        """`forward_step` plus the rows of `decode`, all through one pass over the weights.
+        Rows in h: every SeqWork's rows in order, then the decode rows sorted by slot."""
         arch = self.arch
         num_spans = [0 if w.span_bounds is None else w.span_bounds.shape[0] for w in works]
         states = [
@@ -130,11 +138,17 @@ class LlamaModel:
                 raise ContextLengthError(top, arch.max_position_embeddings)
             w.kv.ensure_capacity(top)
             w.kv.length = max(w.kv.length, top)
-        ids = torch.cat([w.token_ids for w in works]).to(self.device)
-        h = F.embedding(ids, self.embed)
+        ids = [w.token_ids for w in works]
+        dplan = None
+        tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # decode rows' RoPE tables
+        if decode is not None and decode.caches:
+            dplan = plan_decode(decode, arch.sliding_window, arch.max_position_embeddings)
+            dids = decode.token_ids if dplan.order is None else decode.token_ids[dplan.order]
+            ids.append(dids)
+            tables.append(self.rope.cos_sin(dplan.positions, self.dtype))
+        h = F.embedding(torch.cat(ids).to(self.device), self.embed)
         # RoPE tables of every row of every sequence: [N, 1, D], one rotation per layer.
-        cos = torch.cat([s.cos for s in states])[:, None]
-        sin = torch.cat([s.sin for s in states])[:, None]
+        cos, sin = self._tables(states, tables)
         loaders = [w.before_layer for w in works if w.before_layer is not None]
         for layer_idx, weights in enumerate(self.layers):
             for fill in loaders:
@@ -142,14 +156,21 @@ class LlamaModel:
             compacted = self._compact(h, states, layer_idx)
             if compacted is not None:
                 h = compacted
-                cos = torch.cat([s.cos for s in states])[:, None]
-                sin = torch.cat([s.sin for s in states])[:, None]
-            h = self._layer(h, states, layer_idx, weights, cos, sin)
-        return self._finish(h, states)
+                cos, sin = self._tables(states, tables)
+            h = self._layer(h, states, layer_idx, weights, cos, sin, dplan)
+        return self._finish(h, states, dplan)
+
+    @staticmethod
+    def _tables(
+        states: list[_Rows], tables: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = torch.cat([s.cos for s in states] + [t[0] for t in tables])[:, None]
+        sin = torch.cat([s.sin for s in states] + [t[1] for t in tables])[:, None]
+        return cos, sin
 
     def _compact(self, h: torch.Tensor, states: list[_Rows], layer_idx: int) -> torch.Tensor | None:
         """Drop rows whose last layer is below `layer_idx` (they keep their given K/V above);
-        None when every row goes on."""
+        None when every row goes on. Decode rows (after the states' rows) always go on."""
         if all(s.work.last_layer is None and not s.work.hooks for s in states):
             return None  # nothing can have stopped: skip the per-sequence checks
         keeps = [s.last_layer >= layer_idx for s in states]
@@ -160,6 +181,8 @@ class LlamaModel:
             s.cos, s.sin = s.cos[k], s.sin[k]
             if s.mass_rows is not None:
                 s.stats_rows = s.stats_rows[k]
+        num_decode = h.shape[0] - sum(k.shape[0] for k in keeps)
+        keeps.append(torch.ones(num_decode, dtype=torch.bool, device=h.device))
         return h[torch.cat(keeps)]
 
     def _layer(
@@ -170,6 +193,7 @@ class LlamaModel:
         w: LayerWeights,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        dplan: DecodePlan | None = None,
     ) -> torch.Tensor:
         arch = self.arch
         nh, nkv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -191,6 +215,9 @@ class LlamaModel:
             out = self._attend(s, layer_idx, q, k, v)
             attn[start : start + n] = out.transpose(0, 1).reshape(n, nh * hd)
             start += n
+        if dplan is not None:  # the decode rows: [B, H, D] queries, [B, Hkv, D] keys/values
+            q, k, v = qk[start:, :nh], qk[start:, nh:], vals[start:]
+            attn[start:] = attend_decode(dplan, layer_idx, q, k, v)
         h = h + F.linear(attn, w.wo)
         x = _rms_norm(h, w.ln2, arch.rms_norm_eps)
         gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)
@@ -239,7 +266,7 @@ class LlamaModel:
         s.mass_rows.index_add_(0, index, mass)
         s.row_layers[index] += 1
 
-    def _finish(self, h: torch.Tensor, states: list[_Rows]) -> list[SeqResult]:
+    def _finish(self, h: torch.Tensor, states: list[_Rows], dplan: DecodePlan | None) -> StepOutput:
         """Logits of the rows each sequence asked for, through ONE lm_head product for all
         sequences (the head is the largest matrix: reading it once per sequence would cost
         a decode step more than its layers)."""
@@ -270,12 +297,23 @@ class LlamaModel:
             picks.append(torch.tensor(where, dtype=torch.long, device=h.device) + start)
             counts.append(len(want))
             start += n
+        num_decode = h.shape[0] - start
+        if num_decode:
+            picks.append(torch.arange(start, start + num_decode, device=h.device))
+            counts.append(num_decode)
         x = _rms_norm(h[torch.cat(picks)], self.norm, self.arch.rms_norm_eps)
         logits = F.linear(x, self.lm_head).float().split(counts)
         results = []
-        for s, seq_logits in zip(states, logits, strict=True):
+        for s, seq_logits in zip(states, logits[: len(states)], strict=True):
             row_mass = None
             if s.mass_rows is not None and s.row_layers is not None:
                 row_mass = s.mass_rows / s.row_layers.clamp(min=1)[:, None]
             results.append(SeqResult(seq_logits, s.final_last_layer, s.mass_layers, row_mass))
-        return results
+        decode_logits = None
+        if dplan is not None:
+            decode_logits = logits[-1]
+            if dplan.order is not None:  # back from slot order to the batch's row order
+                decode_logits = torch.empty_like(decode_logits).index_copy_(
+                    0, dplan.order, decode_logits
+                )
+        return StepOutput(results, decode_logits)
