@@ -188,7 +188,7 @@ class Runner:
         """Attention statistics for chunks computed in full that will become variants; `full`
         and `prefix` (which reuses only exact variants) never read them."""
         plan, layout = job.plan, job.plan.layout
-        if not plan.make_variants or plan.mode == "prefix":
+        if not plan.make_variants or not plan.measure_stats:
             return
         picked = tuple(
             i
@@ -279,7 +279,7 @@ class Runner:
         if job is None or result is None or not job.plan.make_variants:
             return outcome.variants
         plan, rope = job.plan, self.loaded.model.rope
-        if plan.mode == "prefix":
+        if not plan.measure_stats:
             misses = [i for i, cp in enumerate(plan.chunks) if cp.variant is None]
             outcome.variants = make_variants(
                 plan, job.rows, job.kv, result, rope, self.storage_dtype, misses, measured=False
