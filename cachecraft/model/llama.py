@@ -19,18 +19,18 @@ from cachecraft.errors import ContextLengthError
 from cachecraft.model.arch import ModelArch
 from cachecraft.model.attention import causal_attention, span_onehot
 from cachecraft.model.decode import DecodePlan, attend_decode, plan_decode
+from cachecraft.model.linear import Linear, can_pack
 from cachecraft.model.rope import Rope
 from cachecraft.model.step import DecodeBatch, LayerView, SeqResult, SeqWork, StepOutput
 
 
 class LayerWeights(NamedTuple):
     ln1: torch.Tensor
-    wqkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
-    bqkv: torch.Tensor | None
-    wo: torch.Tensor  # [hidden, H D]
+    qkv: Linear  # [(H + 2 Hkv) D, hidden] (+ bias for Qwen2)
+    o: Linear  # [hidden, H D]
     ln2: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 I, hidden]
-    w_down: torch.Tensor  # [hidden, I]
+    gate_up: Linear  # [2 I, hidden]
+    down: Linear  # [hidden, I]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,7 +83,9 @@ class LlamaModel:
         state_dict: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        pack: bool = True,
     ) -> None:
+        """pack: pack the linear weights for oneDNN where it runs (model/linear.py)."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
@@ -92,12 +94,13 @@ class LlamaModel:
         def get(name: str) -> torch.Tensor:
             return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
 
+        pack = pack and can_pack(dtype, self.device)
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         if arch.tie_word_embeddings or "lm_head.weight" not in state_dict:
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed, None, pack)  # packs a copy: embed stays
         else:
-            self.lm_head = get("lm_head.weight")
+            self.lm_head = Linear(get("lm_head.weight"), None, pack)
         self.layers: list[LayerWeights] = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
@@ -105,17 +108,16 @@ class LlamaModel:
             bias = None
             if arch.attention_bias:
                 bias = torch.cat([get(att + f"{x}_proj.bias") for x in "qkv"])
+            qkv = torch.cat([get(att + f"{x}_proj.weight") for x in "qkv"])
+            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             self.layers.append(
                 LayerWeights(
                     ln1=get(p + "input_layernorm.weight"),
-                    wqkv=torch.cat([get(att + f"{x}_proj.weight") for x in "qkv"]),
-                    bqkv=bias,
-                    wo=get(att + "o_proj.weight"),
+                    qkv=Linear(qkv, bias, pack),
+                    o=Linear(get(att + "o_proj.weight"), None, pack),
                     ln2=get(p + "post_attention_layernorm.weight"),
-                    w_gate_up=torch.cat(
-                        [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
-                    ),
-                    w_down=get(p + "mlp.down_proj.weight"),
+                    gate_up=Linear(gate_up, None, pack),
+                    down=Linear(get(p + "mlp.down_proj.weight"), None, pack),
                 )
             )
 
@@ -199,7 +201,7 @@ class LlamaModel:
         nh, nkv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
         num_rows = h.shape[0]
         x = _rms_norm(h, w.ln1, arch.rms_norm_eps)
-        qkv = F.linear(x, w.wqkv, w.bqkv)
+        qkv = w.qkv(x)
         # Rotate the queries and keys of all rows at once: [N, H + Hkv, D].
         qk = Rope.apply(qkv[:, : (nh + nkv) * hd].view(num_rows, nh + nkv, hd), cos, sin)
         vals = qkv[:, (nh + nkv) * hd :].view(num_rows, nkv, hd)
@@ -218,10 +220,10 @@ class LlamaModel:
         if dplan is not None:  # the decode rows: [B, H, D] queries, [B, Hkv, D] keys/values
             q, k, v = qk[start:, :nh], qk[start:, nh:], vals[start:]
             attn[start:] = attend_decode(dplan, layer_idx, q, k, v)
-        h = h + F.linear(attn, w.wo)
+        h = h + w.o(attn)
         x = _rms_norm(h, w.ln2, arch.rms_norm_eps)
-        gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, w.w_down)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        return h + w.down(F.silu(gate) * up)
 
     def _attend(
         self, s: _Rows, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -302,7 +304,7 @@ class LlamaModel:
             picks.append(torch.arange(start, start + num_decode, device=h.device))
             counts.append(num_decode)
         x = _rms_norm(h[torch.cat(picks)], self.norm, self.arch.rms_norm_eps)
-        logits = F.linear(x, self.lm_head).float().split(counts)
+        logits = self.lm_head(x).float().split(counts)
         results = []
         for s, seq_logits in zip(states, logits[: len(states)], strict=True):
             row_mass = None
