@@ -38,6 +38,9 @@ def test_store_config_rejects_a_bad_storage_dtype() -> None:
     [
         ("--max-pinned-bytes-per-namespace", "-1", "max_pinned_bytes_per_namespace"),
         ("--max-variants-per-chunk", "0", "max_variants_per_chunk"),
+        ("--max-queue", "-3", "max_queue"),
+        ("--max-running", "0", "max_running"),
+        ("--admit-all-below", "2", "admit_all_below"),
     ],
 )
 def test_a_bad_serve_setting_is_one_line(

@@ -73,3 +73,19 @@ def test_variants_are_assembled_at_commit_not_before(tiny_dir: Path) -> None:
     llm.runner.commit(outcome)
     assert outcome.is_assembled and len(outcome.variants) == 2 and len(llm.store) == 2
     assert llm.runner.prefix_cache.get(job.plan.layout.prefix_key) is not None
+
+
+def test_the_runner_follows_the_plans_measure_stats_not_its_mode(tiny_dir: Path) -> None:
+    from dataclasses import replace
+
+    llm = LLM(str(tiny_dir))
+    runner = llm.runner
+    assert not runner.plan(_req(), "prefix").measure_stats
+    assert runner.plan(_req(), "cachecraft").measure_stats
+    plan = replace(runner.plan(_req(), "cachecraft"), measure_stats=False)
+    job = runner.start(plan)
+    result = runner.loaded.model.forward_step([job.work])[0]
+    assert job.work.span_bounds is None and result.span_mass_layers is None
+    outcome = runner.finish(job, result)
+    runner.commit(outcome)  # placeholder statistics, as prefix mode stores them
+    assert len(outcome.variants) == 2 and all(v.meta.cci == 1.0 for v in outcome.variants)

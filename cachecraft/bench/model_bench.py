@@ -9,6 +9,7 @@ neither side inherits the other's freed allocations: `python -m cachecraft.bench
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import statistics
@@ -56,13 +57,69 @@ def _time(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def _status_kib(field: str) -> int | None:
+    """A `VmRSS`/`VmHWM`-style line of /proc/self/status in KiB (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where unsupported.
+    Without it the peak of one prefill hides under the model load's (ru_maxrss never falls:
+    loading and dequantizing the GGUF peaks far above a prefill, so the growth read 0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_since(run: Any) -> int:
+    """Peak RSS growth in bytes while `run()` runs, over the RSS just before it."""
+    gc.collect()
+    base = _status_kib("VmRSS")
+    if base is not None and _reset_peak_rss():
+        run()
+        peak = _status_kib("VmHWM")
+        assert peak is not None
+        return max(0, peak - base) * 1024
+    # fallback: sample RSS on a thread every millisecond (misses sub-millisecond spikes)
+    import threading
+
+    page = resource.getpagesize()
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    start, top, done = rss(), [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            top[0] = max(top[0], rss())
+            done.wait(0.001)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        run()
+    finally:
+        done.set()
+        watcher.join()
+    return max(0, max(top[0], rss()) - start)
 
 
 def peak_prefill_bytes(kind: str, n: int, spec: str | None = None) -> int:
-    """Peak RSS growth of one prefill of n tokens (`ours` or `hf`), after the model loaded and
-    one short warm-up prefill (one-time library and allocator set-up is not counted)."""
+    """Peak RSS growth of one prefill of n tokens (`ours` or `hf`) over the RSS just before it,
+    after the model loaded and one short warm-up prefill (one-time library and allocator
+    set-up is not counted)."""
     m = load_model(spec)
     ids, warm = _prompt_ids(m, n), _prompt_ids(m, 32)
     if kind == "hf":
@@ -80,9 +137,7 @@ def peak_prefill_bytes(kind: str, n: int, spec: str | None = None) -> int:
             _ours_prefill(m, x)
 
     run(warm)
-    base = _max_rss_bytes()
-    run(ids)
-    return _max_rss_bytes() - base
+    return _peak_since(lambda: run(ids))
 
 
 def _peak_in_subprocess(kind: str, n: int, spec: str | None) -> int | None:

@@ -1,8 +1,10 @@
 """Engine: continuous batching of many requests over one Runner, driven by one step loop.
 
 Per step: plan newly submitted requests (and prefetch their variants), let the Scheduler pick
-prefills and decodes, run ONE `forward_step` over all of them, sample, push events to each
-request's handle, commit new variants after the first tokens went out, free finished requests.
+prefills and decodes, run ONE forward `step` over all of them (the decodes as one DecodeBatch
+over the engine's KVPool: one attention call per layer for all of them), sample, push events
+to each request's handle, commit new variants after the first tokens went out, free finished
+requests (and their pool slots).
 The loop is the engine's own thread (`start`: the server) or the caller (`caller_driven`: the
 offline `LLM`, calling `step()`); either way every tensor lives on that one thread and other
 threads only enqueue (submit, abort, call).
@@ -31,7 +33,9 @@ from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner
 from cachecraft.engine.sampling import SamplingParams, make_generator, sample
 from cachecraft.engine.scheduler import QueueFull, Scheduler
 from cachecraft.errors import BadRequestError
-from cachecraft.model.step import SeqResult, SeqWork
+from cachecraft.model.kv import KVCache
+from cachecraft.model.kv_pool import KVPool
+from cachecraft.model.step import DecodeBatch, SeqResult, SeqWork
 from cachecraft.request import RagRequest
 from cachecraft.reuse.layout import PromptLayout
 from cachecraft.reuse.plan import RecomputePlan
@@ -57,16 +61,24 @@ class Liveness(NamedTuple):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """token_budget: rows per step (prefill rows computed + 1 per decode); max_running: cap on
-    sequences holding a KV cache; max_queue: waiting requests before QueueFull (HTTP 429)."""
+    sequences holding a KV cache; max_queue: waiting requests before QueueFull (HTTP 429);
+    kv_pool_mib: most memory of the KV pool (max_running slots) that batches decode attention;
+    a request that does not fit gets a cache of its own and decodes alone (0: no pool)."""
 
     token_budget: int = 2048
     max_running: int = 16
     max_queue: int = 64
     mode: str = "cachecraft"
+    kv_pool_mib: int = 4096
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.kv_pool_mib < 0:
+            raise ValueError(f"kv_pool_mib must be >= 0, got {self.kv_pool_mib}")
+        for name in ("token_budget", "max_running", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)
@@ -89,6 +101,9 @@ class _Live:
     """Tokenized before submit (off the step thread); None: tokenized when planned."""
     options: RequestOptions | None = None
     extras: RequestExtras | None = None
+    kv: KVCache | None = None
+    """Its KV cache (a pool slot when one was free), kept across re-plans; freed after the
+    step it finished in."""
 
 
 class Engine:
@@ -115,6 +130,13 @@ class Engine:
         self.num_aborted = 0
         self.num_failed = 0
         self.recent_steps: deque[StepStat] = deque(maxlen=4096)
+        model = runner.loaded.model
+        self.pool: KVPool | None = None
+        if c.kv_pool_mib:
+            self.pool = KVPool(
+                runner.loaded.arch, c.max_running, model.dtype, model.device, c.kv_pool_mib << 20
+            )
+        self._released: list[KVCache] = []  # caches of requests that ended this step
 
     # ---- other threads ----------------------------------------------------------------------
     @property
@@ -277,7 +299,16 @@ class Engine:
         except Exception:  # never let one bad step end the loop
             log.exception("engine step failed")
             self._fail_stuck()
+        self._free_caches()
         self._busy_since = None
+
+    def _free_caches(self) -> None:
+        """Give the pool slots of requests that ended back, after the step's commits read
+        their K/V (a slot is reused by the next request admitted)."""
+        released, self._released = self._released, []
+        for kv in released:
+            if self.pool is not None and kv.pool is self.pool:
+                self.pool.release(kv)
 
     def _shutdown(self) -> None:
         with self._wake:
@@ -320,7 +351,9 @@ class Engine:
             live.plan = self._plan(live)
             try:
                 extra = live.state.max_tokens + len(live.options.forced if live.options else ())
-                live.job = self.runner.start(live.plan, extra, live.t_submit)
+                if live.kv is None:
+                    live.kv = self._new_cache(live.plan.layout.num_tokens + extra)
+                live.job = self.runner.start(live.plan, extra, live.t_submit, kv=live.kv)
                 return
             except CorruptVariantError:
                 if attempt:
@@ -330,25 +363,48 @@ class Engine:
                     live.handle.request_id,
                 )
 
+    def _new_cache(self, capacity: int) -> KVCache:
+        """A pool slot (decodes batched with the others) or, when none fits, a cache of its own."""
+        kv = self.pool.acquire(capacity) if self.pool is not None else None
+        if kv is None:
+            m = self.runner.loaded
+            kv = KVCache(m.arch, capacity, m.model.dtype, m.model.device)
+        return kv
+
     def _plan(self, live: _Live) -> RecomputePlan:
         return self.runner.plan(live.request, live.mode, live.budgets, layout=live.layout)
 
     def _forward_isolated(
-        self, works: list[SeqWork], order: list[tuple[str, bool]]
-    ) -> list[SeqResult | None]:
-        """One forward step over all works; if it raises, each sequence runs again alone so
-        that only the failing ones fail (None). K/V writes go to explicit positions, so a decode
-        run twice writes the same K/V; a prefill is started afresh (its layer readers may be
-        spent), and one whose chunk-cache was corrupt is planned again (the store dropped it,
-        so it becomes a miss), as `Runner.prefill` does."""
+        self,
+        works: list[SeqWork],
+        order: list[tuple[str, bool]],
+        decode: DecodeBatch | None = None,
+        decode_ids: list[str] | None = None,
+    ) -> tuple[list[SeqResult | None], list[torch.Tensor | None]]:
+        """One forward step over all works and the decode batch: (a result per work, logits
+        [vocab] per batch row). If it raises, each sequence runs again alone so that only the
+        failing ones fail (None). K/V writes go to explicit positions, so a decode run twice
+        writes the same K/V; a prefill is started afresh (its layer readers may be spent),
+        and one whose chunk-cache was corrupt is planned again (the store dropped it, so it
+        becomes a miss), as `Runner.prefill` does."""
+        model = self.runner.loaded.model
         try:
-            return list(self.runner.loaded.model.forward_step(works))
+            results, logits = model.step(works, decode)
+            return list(results), [] if logits is None else list(logits)
         except Exception:
-            log.exception("forward step over %d sequences failed; isolating", len(works))
-        results: list[SeqResult | None] = []
+            num = len(works) + (len(decode.caches) if decode is not None else 0)
+            log.exception("forward step over %d sequences failed; isolating", num)
+        alone = len(works) + (len(decode.caches) if decode is not None else 0) == 1
+        out: list[SeqResult | None] = []
         for work, (rid, is_prefill) in zip(works, order, strict=True):
-            results.append(self._forward_alone(work, rid, is_prefill, len(works) == 1))
-        return results
+            out.append(self._forward_alone(work, rid, is_prefill, alone))
+        rows: list[torch.Tensor | None] = []
+        if decode is not None and decode_ids is not None:
+            for i, (kv, rid) in enumerate(zip(decode.caches, decode_ids, strict=True)):
+                work = SeqWork(kv, decode.token_ids[i : i + 1], decode.positions[i : i + 1])
+                result = self._forward_alone(work, rid, False, alone)
+                rows.append(None if result is None else result.logits[0])
+        return out, rows
 
     def _forward_alone(
         self, work: SeqWork, rid: str, is_prefill: bool, failed_alone: bool
@@ -448,22 +504,35 @@ class Engine:
                 continue
             works.append(live.job.work)
             order.append((rid, True))
+        # Decodes in a pool slot go in one DecodeBatch: ids and positions in one tensor.
+        batch_ids: list[str] = []
+        caches: list[KVCache] = []
+        rows: list[tuple[int, int]] = []
         for rid in out.decode_ids:
             live = self._live[rid]
             try:
                 assert live.job is not None and live.state is not None
-                kv = live.job.kv
-                pos = torch.tensor([kv.length], device=kv.k.device)
-                works.append(SeqWork(kv, torch.tensor([live.state.output_ids[-1]]), pos))
+                kv, token = live.job.kv, live.state.output_ids[-1]
             except Exception as e:  # a request in a state it cannot decode from
                 self._fail(rid, e)
                 continue
-            order.append((rid, False))
-        if not works:
+            if self.pool is not None and kv.pool is self.pool:
+                batch_ids.append(rid)
+                caches.append(kv)
+                rows.append((token, kv.length))
+            else:
+                pos = torch.tensor([kv.length], device=kv.k.device)
+                works.append(SeqWork(kv, torch.tensor([token]), pos))
+                order.append((rid, False))
+        decode = None
+        if rows:
+            ids_pos = torch.tensor(rows)
+            decode = DecodeBatch(caches, ids_pos[:, 0], ids_pos[:, 1])
+        if not works and decode is None:
             return
         self.num_steps += 1
         t_step = time.perf_counter()
-        results = self._forward_isolated(works, order)
+        results, decode_logits = self._forward_isolated(works, order, decode, batch_ids)
         outcomes: list[PrefillOutcome] = []
         for (rid, is_prefill), result in zip(order, results, strict=True):
             live = self._live.get(rid)
@@ -486,7 +555,10 @@ class Engine:
             self._sample_emit(rid, logits)
             if is_prefill and live.options is not None and rid in self._live:
                 self._extras(live)  # after the first token: off the TTFT path
-        num_prefills = len(works) - len(out.decode_ids)
+        for rid, row in zip(batch_ids, decode_logits, strict=True):
+            if row is not None:
+                self._sample_emit(rid, row)
+        num_prefills = sum(is_prefill for _, is_prefill in order)
         prefill_rows = sum(int(w.positions.shape[0]) for w in works[:num_prefills])
         ms = 1000 * (time.perf_counter() - t_step)
         self.recent_steps.append(StepStat(num_prefills, prefill_rows, len(out.decode_ids), ms))
@@ -507,6 +579,8 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(state.request_id, reason)
             self._live.pop(state.request_id, None)
+            if live.kv is not None:
+                self._released.append(live.kv)
             report = live.outcome.report if live.outcome is not None else None
             extras = self._extras(live, at_end=True)
             live.handle.push(Finished(reason, list(state.output_ids), report, extras))
@@ -523,6 +597,8 @@ class Engine:
         live = self._live.pop(request_id, None)
         if live is None:  # still in this step's inbox, or already finished
             return None
+        if live.kv is not None:
+            self._released.append(live.kv)
         if reason is not None:
             self.num_aborted += reason == "abort"
             out = list(live.state.output_ids) if live.state else []

@@ -127,15 +127,22 @@ class Runner:
         t_start: float | None = None,
         *,
         precompute: bool = False,
+        kv: KVCache | None = None,
     ) -> PrefillJob:
         """Splice the KV, run the plan's probe (if any), build the SeqWork. A variant that
         cannot be loaded becomes a miss; a prefix the cache dropped is computed.
 
         Statistics are collected only for missed chunks the store would admit (`precompute`:
-        for every chunk, whatever the store would say)."""
+        for every chunk, whatever the store would say). `kv`: the cache to fill (the engine's
+        pool slot; emptied first); None: a new one."""
         t0 = time.perf_counter() if t_start is None else t_start
         m, layout = self.loaded, plan.layout
-        kv = KVCache(m.arch, layout.num_tokens + extra_capacity, m.model.dtype, m.model.device)
+        capacity = layout.num_tokens + extra_capacity
+        if kv is None:
+            kv = KVCache(m.arch, capacity, m.model.dtype, m.model.device)
+        else:
+            kv.length = 0  # every prompt position is spliced or computed again below
+            kv.ensure_capacity(capacity)
         if plan.prefix_hit:
             prefix = self.prefix_cache.get(layout.prefix_key)
             if prefix is None:
@@ -181,7 +188,7 @@ class Runner:
         """Attention statistics for chunks computed in full that will become variants; `full`
         and `prefix` (which reuses only exact variants) never read them."""
         plan, layout = job.plan, job.plan.layout
-        if not plan.make_variants or plan.mode == "prefix":
+        if not plan.make_variants or not plan.measure_stats:
             return
         picked = tuple(
             i
@@ -272,7 +279,7 @@ class Runner:
         if job is None or result is None or not job.plan.make_variants:
             return outcome.variants
         plan, rope = job.plan, self.loaded.model.rope
-        if plan.mode == "prefix":
+        if not plan.measure_stats:
             misses = [i for i, cp in enumerate(plan.chunks) if cp.variant is None]
             outcome.variants = make_variants(
                 plan, job.rows, job.kv, result, rope, self.storage_dtype, misses, measured=False

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from cachecraft.model.arch import ModelArch
+
+
+class SlotOwner(Protocol):
+    """What a cache needs of the pool it is a slot of (`KVPool`)."""
+
+    def grow(self, capacity: int) -> None: ...
 
 
 class KVCache:
     """k, v: [num_layers, num_kv_heads, capacity, head_dim]; positions [0, length) are valid.
 
     Writers fill any positions (a spliced cache is filled out of order); `length` is the
-    number of leading positions a forward may read.
+    number of leading positions a forward may read. A cache may be a slot of a `KVPool`
+    (`pool`, `slot` set): then k, v are views into the pool's tensors and growing it grows the
+    pool (the views are re-pointed, so never hold k or v across a call that may grow it).
     """
 
     def __init__(
@@ -21,6 +31,8 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
+        self.pool: SlotOwner | None = None
+        self.slot: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -29,6 +41,9 @@ class KVCache:
     def ensure_capacity(self, capacity: int) -> None:
         """Grow the buffers (keeping contents) so that `capacity` positions fit."""
         if capacity <= self.capacity:
+            return
+        if self.pool is not None:
+            self.pool.grow(capacity)
             return
         new_cap = max(capacity, 2 * self.capacity)
         for name in ("k", "v"):

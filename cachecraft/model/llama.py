@@ -1,9 +1,11 @@
 """Our Llama-family forward (Llama 2/3, SmolLM, Mistral, Qwen2) with explicit positions.
 
-One primitive, `forward_step`, runs any mix of sequences: each gives the rows (positions) it
+One primitive, `step`, runs any mix of sequences: each SeqWork gives the rows (positions) it
 computes over its own KVCache. A full prefill computes 0..n-1 on an empty cache; a partial
 prefill computes a subset over a spliced cache; a decode step computes one row. Linear layers
-run on all rows of all sequences at once; attention runs per sequence with an exact mask.
+run on all rows of all sequences at once; attention runs per SeqWork with an exact mask, and
+once per layer for all rows of a DecodeBatch (plain decodes over a KVPool, model/decode.py).
+`forward_step(works)` is `step(works)` without a batch.
 """
 
 from __future__ import annotations
@@ -16,18 +18,19 @@ import torch.nn.functional as F
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.arch import ModelArch
 from cachecraft.model.attention import causal_attention, span_onehot
+from cachecraft.model.decode import DecodePlan, attend_decode, plan_decode
+from cachecraft.model.linear import Linear, can_pack
 from cachecraft.model.rope import Rope
-from cachecraft.model.step import LayerView, SeqResult, SeqWork
+from cachecraft.model.step import DecodeBatch, LayerView, SeqResult, SeqWork, StepOutput
 
 
 class LayerWeights(NamedTuple):
     ln1: torch.Tensor
-    wqkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
-    bqkv: torch.Tensor | None
-    wo: torch.Tensor  # [hidden, H D]
+    qkv: Linear  # [(H + 2 Hkv) D, hidden] (+ bias for Qwen2)
+    o: Linear  # [hidden, H D]
     ln2: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 I, hidden]
-    w_down: torch.Tensor  # [hidden, I]
+    gate_up: Linear  # [2 I, hidden]
+    down: Linear  # [hidden, I]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,7 +83,9 @@ class LlamaModel:
         state_dict: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        pack: bool = True,
     ) -> None:
+        """pack: pack the linear weights for oneDNN where it runs (model/linear.py)."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
@@ -89,12 +94,13 @@ class LlamaModel:
         def get(name: str) -> torch.Tensor:
             return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
 
+        pack = pack and can_pack(dtype, self.device)
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         if arch.tie_word_embeddings or "lm_head.weight" not in state_dict:
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed, None, pack)  # packs a copy: embed stays
         else:
-            self.lm_head = get("lm_head.weight")
+            self.lm_head = Linear(get("lm_head.weight"), None, pack)
         self.layers: list[LayerWeights] = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
@@ -102,23 +108,27 @@ class LlamaModel:
             bias = None
             if arch.attention_bias:
                 bias = torch.cat([get(att + f"{x}_proj.bias") for x in "qkv"])
+            qkv = torch.cat([get(att + f"{x}_proj.weight") for x in "qkv"])
+            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             self.layers.append(
                 LayerWeights(
                     ln1=get(p + "input_layernorm.weight"),
-                    wqkv=torch.cat([get(att + f"{x}_proj.weight") for x in "qkv"]),
-                    bqkv=bias,
-                    wo=get(att + "o_proj.weight"),
+                    qkv=Linear(qkv, bias, pack),
+                    o=Linear(get(att + "o_proj.weight"), None, pack),
                     ln2=get(p + "post_attention_layernorm.weight"),
-                    w_gate_up=torch.cat(
-                        [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
-                    ),
-                    w_down=get(p + "mlp.down_proj.weight"),
+                    gate_up=Linear(gate_up, None, pack),
+                    down=Linear(get(p + "mlp.down_proj.weight"), None, pack),
                 )
             )
 
-    @torch.inference_mode()
     def forward_step(self, works: list[SeqWork]) -> list[SeqResult]:
         """Run every layer for the rows of each SeqWork, writing their fresh K/V into its cache."""
+        return self.step(works).results
+
+    @torch.inference_mode()
+    def step(self, works: list[SeqWork], decode: DecodeBatch | None = None) -> StepOutput:
+        """`forward_step` plus the rows of `decode`, all through one pass over the weights.
+        Rows in h: every SeqWork's rows in order, then the decode rows sorted by slot."""
         arch = self.arch
         num_spans = [0 if w.span_bounds is None else w.span_bounds.shape[0] for w in works]
         states = [
@@ -130,11 +140,17 @@ class LlamaModel:
                 raise ContextLengthError(top, arch.max_position_embeddings)
             w.kv.ensure_capacity(top)
             w.kv.length = max(w.kv.length, top)
-        ids = torch.cat([w.token_ids for w in works]).to(self.device)
-        h = F.embedding(ids, self.embed)
+        ids = [w.token_ids for w in works]
+        dplan = None
+        tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # decode rows' RoPE tables
+        if decode is not None and decode.caches:
+            dplan = plan_decode(decode, arch.sliding_window, arch.max_position_embeddings)
+            dids = decode.token_ids if dplan.order is None else decode.token_ids[dplan.order]
+            ids.append(dids)
+            tables.append(self.rope.cos_sin(dplan.positions, self.dtype))
+        h = F.embedding(torch.cat(ids).to(self.device), self.embed)
         # RoPE tables of every row of every sequence: [N, 1, D], one rotation per layer.
-        cos = torch.cat([s.cos for s in states])[:, None]
-        sin = torch.cat([s.sin for s in states])[:, None]
+        cos, sin = self._tables(states, tables)
         loaders = [w.before_layer for w in works if w.before_layer is not None]
         for layer_idx, weights in enumerate(self.layers):
             for fill in loaders:
@@ -142,14 +158,21 @@ class LlamaModel:
             compacted = self._compact(h, states, layer_idx)
             if compacted is not None:
                 h = compacted
-                cos = torch.cat([s.cos for s in states])[:, None]
-                sin = torch.cat([s.sin for s in states])[:, None]
-            h = self._layer(h, states, layer_idx, weights, cos, sin)
-        return self._finish(h, states)
+                cos, sin = self._tables(states, tables)
+            h = self._layer(h, states, layer_idx, weights, cos, sin, dplan)
+        return self._finish(h, states, dplan)
+
+    @staticmethod
+    def _tables(
+        states: list[_Rows], tables: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = torch.cat([s.cos for s in states] + [t[0] for t in tables])[:, None]
+        sin = torch.cat([s.sin for s in states] + [t[1] for t in tables])[:, None]
+        return cos, sin
 
     def _compact(self, h: torch.Tensor, states: list[_Rows], layer_idx: int) -> torch.Tensor | None:
         """Drop rows whose last layer is below `layer_idx` (they keep their given K/V above);
-        None when every row goes on."""
+        None when every row goes on. Decode rows (after the states' rows) always go on."""
         if all(s.work.last_layer is None and not s.work.hooks for s in states):
             return None  # nothing can have stopped: skip the per-sequence checks
         keeps = [s.last_layer >= layer_idx for s in states]
@@ -160,6 +183,8 @@ class LlamaModel:
             s.cos, s.sin = s.cos[k], s.sin[k]
             if s.mass_rows is not None:
                 s.stats_rows = s.stats_rows[k]
+        num_decode = h.shape[0] - sum(k.shape[0] for k in keeps)
+        keeps.append(torch.ones(num_decode, dtype=torch.bool, device=h.device))
         return h[torch.cat(keeps)]
 
     def _layer(
@@ -170,12 +195,13 @@ class LlamaModel:
         w: LayerWeights,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        dplan: DecodePlan | None = None,
     ) -> torch.Tensor:
         arch = self.arch
         nh, nkv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
         num_rows = h.shape[0]
         x = _rms_norm(h, w.ln1, arch.rms_norm_eps)
-        qkv = F.linear(x, w.wqkv, w.bqkv)
+        qkv = w.qkv(x)
         # Rotate the queries and keys of all rows at once: [N, H + Hkv, D].
         qk = Rope.apply(qkv[:, : (nh + nkv) * hd].view(num_rows, nh + nkv, hd), cos, sin)
         vals = qkv[:, (nh + nkv) * hd :].view(num_rows, nkv, hd)
@@ -191,10 +217,13 @@ class LlamaModel:
             out = self._attend(s, layer_idx, q, k, v)
             attn[start : start + n] = out.transpose(0, 1).reshape(n, nh * hd)
             start += n
-        h = h + F.linear(attn, w.wo)
+        if dplan is not None:  # the decode rows: [B, H, D] queries, [B, Hkv, D] keys/values
+            q, k, v = qk[start:, :nh], qk[start:, nh:], vals[start:]
+            attn[start:] = attend_decode(dplan, layer_idx, q, k, v)
+        h = h + w.o(attn)
         x = _rms_norm(h, w.ln2, arch.rms_norm_eps)
-        gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, w.w_down)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        return h + w.down(F.silu(gate) * up)
 
     def _attend(
         self, s: _Rows, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -239,7 +268,7 @@ class LlamaModel:
         s.mass_rows.index_add_(0, index, mass)
         s.row_layers[index] += 1
 
-    def _finish(self, h: torch.Tensor, states: list[_Rows]) -> list[SeqResult]:
+    def _finish(self, h: torch.Tensor, states: list[_Rows], dplan: DecodePlan | None) -> StepOutput:
         """Logits of the rows each sequence asked for, through ONE lm_head product for all
         sequences (the head is the largest matrix: reading it once per sequence would cost
         a decode step more than its layers)."""
@@ -270,12 +299,23 @@ class LlamaModel:
             picks.append(torch.tensor(where, dtype=torch.long, device=h.device) + start)
             counts.append(len(want))
             start += n
+        num_decode = h.shape[0] - start
+        if num_decode:
+            picks.append(torch.arange(start, start + num_decode, device=h.device))
+            counts.append(num_decode)
         x = _rms_norm(h[torch.cat(picks)], self.norm, self.arch.rms_norm_eps)
-        logits = F.linear(x, self.lm_head).float().split(counts)
+        logits = self.lm_head(x).float().split(counts)
         results = []
-        for s, seq_logits in zip(states, logits, strict=True):
+        for s, seq_logits in zip(states, logits[: len(states)], strict=True):
             row_mass = None
             if s.mass_rows is not None and s.row_layers is not None:
                 row_mass = s.mass_rows / s.row_layers.clamp(min=1)[:, None]
             results.append(SeqResult(seq_logits, s.final_last_layer, s.mass_layers, row_mass))
-        return results
+        decode_logits = None
+        if dplan is not None:
+            decode_logits = logits[-1]
+            if dplan.order is not None:  # back from slot order to the batch's row order
+                decode_logits = torch.empty_like(decode_logits).index_copy_(
+                    0, dplan.order, decode_logits
+                )
+        return StepOutput(results, decode_logits)

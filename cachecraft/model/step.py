@@ -1,9 +1,11 @@
-"""The data a forward step takes and returns: SeqWork in, SeqResult out, LayerView for hooks."""
+"""The data a forward step takes and returns: SeqWork and DecodeBatch in, SeqResult and
+StepOutput out, LayerView for hooks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -81,3 +83,26 @@ class SeqResult:
     rows_last_layer: torch.Tensor
     span_mass_layers: torch.Tensor | None = None
     row_span_mass: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """Plain decode rows: one token per sequence, each cache a slot of one `KVPool`; no hooks,
+    statistics or early exit (what a decode step of a served request is). They share ONE
+    attention call per layer (per group of neighbouring slots, model/decode.py).
+
+    caches [B]; token_ids, positions [B]: the token fed back and where it goes (normally the
+    cache's length; the K/V of every position below must be in the cache).
+    """
+
+    caches: list[KVCache]
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+
+
+class StepOutput(NamedTuple):
+    """results: one per SeqWork, in order; decode_logits [B, vocab] (fp32) for the
+    DecodeBatch rows in order (None without a batch)."""
+
+    results: list[SeqResult]
+    decode_logits: torch.Tensor | None

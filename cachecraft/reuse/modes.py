@@ -171,7 +171,7 @@ def plan_prefix(inp: PlanInput) -> RecomputePlan:
             chunks.append(miss(slot))
         else:
             chunks.append(hit(slot, exact, (), "exact"))
-    return _plan(inp, "prefix", chunks)
+    return replace(_plan(inp, "prefix", chunks), measure_stats=False)
 
 
 def plan_naive(inp: PlanInput) -> RecomputePlan:

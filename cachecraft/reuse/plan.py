@@ -181,6 +181,9 @@ class RecomputePlan:
     make_variants: chunks computed in full are offered to the store as variants, and a
                    computed prefix to the prefix cache (off for `full`, the reference).
     early_exit / deviation / probe: in-forward checks (None = off).
+    measure_stats: the forward collects attention statistics for the new variants (off for
+                   `prefix`, which reuses only exact variants and so never reads them: its
+                   variants carry placeholder statistics and its prefill pays for none).
     """
 
     mode: str
@@ -191,6 +194,7 @@ class RecomputePlan:
     early_exit: EarlyExit | None = None
     deviation: DeviationCheck | None = None
     probe: ProbeCheck | None = None
+    measure_stats: bool = True
 
     @property
     def is_resolved(self) -> bool:

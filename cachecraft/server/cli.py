@@ -72,6 +72,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--max-queue", type=int, default=engine.max_queue)
     p.add_argument("--max-running", type=int, default=engine.max_running)
     p.add_argument("--token-budget", type=int, default=engine.token_budget)
+    p.add_argument(
+        "--kv-pool-mib",
+        type=int,
+        default=engine.kv_pool_mib,
+        help="memory of the KV pool that batches decode attention (0: no pool)",
+    )
     p.add_argument("--max-documents", type=int, default=server.max_documents)
     p.add_argument("--max-document-chars", type=int, default=server.max_document_chars)
     p.add_argument(
@@ -156,6 +162,7 @@ def main_serve(args: argparse.Namespace) -> int:
             max_running=args.max_running,
             max_queue=args.max_queue,
             mode=args.mode,
+            kv_pool_mib=args.kv_pool_mib,
         )
     except ValueError as e:
         raise BadRequestError(f"bad setting: {e}") from None

@@ -1,0 +1,111 @@
+"""KVPool: the K/V of many sequences in one tensor pair, one slot per sequence.
+
+With every decoding sequence's K/V in k, v [layers, slots, Hkv, capacity, D], one attention
+call per layer reads all of them (model/decode.py); a slot is handed out as a `KVCache` whose
+k, v are views of the slot, so splicing, prefill and variant code stay unchanged. The pool
+grows (all slots at once) when a sequence needs more positions; `acquire` refuses (None)
+when no slot is free or growing would pass `max_bytes`, and the caller then uses a plain
+KVCache of its own.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from cachecraft.model.arch import ModelArch
+from cachecraft.model.kv import KVCache
+
+
+class KVPool:
+    """k, v: [num_layers, num_slots, num_kv_heads, capacity, head_dim]."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_bytes: int,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a KV pool needs at least one slot, got {num_slots}")
+        self.arch = arch
+        self.num_slots = num_slots
+        self.max_bytes = max_bytes
+        self.max_positions = arch.max_position_embeddings
+        shape = (arch.num_layers, num_slots, arch.num_kv_heads, 0, arch.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = list(range(num_slots))  # a heap: the lowest free slot goes first
+        self._caches: dict[int, KVCache] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def bytes_for(self, capacity: int) -> int:
+        """Bytes of k and v together at `capacity` positions per slot."""
+        a = self.arch
+        per_position = a.num_layers * self.num_slots * a.num_kv_heads * a.head_dim
+        return 2 * per_position * capacity * self.k.element_size()
+
+    def acquire(self, capacity: int) -> KVCache | None:
+        """A free slot as an empty KVCache of at least `capacity` positions; None if no slot
+        is free or the pool would grow past `max_bytes` (or the model's context length)."""
+        if not self._free or capacity > self.max_positions:
+            return None
+        if capacity > self.capacity:
+            if self.bytes_for(capacity) > self.max_bytes:
+                return None
+            self.grow(capacity)
+        slot = heapq.heappop(self._free)
+        kv = KVCache(self.arch, 0, self.k.dtype, self.k.device)
+        kv.pool, kv.slot = self, slot
+        kv.k, kv.v = self.k[:, slot], self.v[:, slot]
+        self._caches[slot] = kv
+        return kv
+
+    def release(self, kv: KVCache) -> None:
+        """Give `kv`'s slot back. The cache is emptied (zero capacity), so a late write to it
+        fails loudly instead of landing in the next sequence's slot."""
+        if kv.pool is not self or kv.slot is None or self._caches.get(kv.slot) is not kv:
+            raise ValueError("this KVCache is not a live slot of this pool")
+        del self._caches[kv.slot]
+        heapq.heappush(self._free, kv.slot)
+        kv.pool, kv.slot, kv.length = None, None, 0
+        kv.k, kv.v = kv.k[:, :, :0], kv.v[:, :, :0]
+
+    def grow(self, capacity: int) -> None:
+        """At least `capacity` positions per slot: doubling while that fits `max_bytes` (fewer
+        reallocations), else exactly `capacity` (a pooled cache is never refused growth);
+        contents kept, every live cache re-pointed."""
+        if capacity <= self.capacity:
+            return
+        new_cap = min(max(capacity, 2 * self.capacity), self.max_positions)
+        if self.bytes_for(new_cap) > self.max_bytes:
+            new_cap = capacity
+        new_cap = max(new_cap, capacity)
+        old = self.capacity
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            new = t.new_zeros((*t.shape[:3], new_cap, t.shape[4]))
+            new[:, :, :, :old] = t
+            setattr(self, name, new)
+        for slot, kv in self._caches.items():
+            kv.k, kv.v = self.k[:, slot], self.v[:, slot]
+
+    def check_integrity(self) -> None:
+        """Every slot is either free or held by exactly one live cache viewing it."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a slot is free twice"
+        assert not free & set(self._caches), "a slot is both free and held"
+        assert free | set(self._caches) == set(range(self.num_slots)), "a slot went missing"
+        for slot, kv in self._caches.items():
+            assert kv.pool is self and kv.slot == slot
+            assert kv.k.data_ptr() == self.k[:, slot].data_ptr(), "a cache views a stale pool"

@@ -1,0 +1,68 @@
+"""Linear layers (x @ W^T + b) with the weight packed once for oneDNN, or plain `F.linear`.
+
+On this machine (AMD EPYC, AVX-512, one thread) torch's default fp32 GEMM runs at under half
+the speed of oneDNN with a prepacked weight: all of SmolLM2's layer weights at 16 rows take
+60 -> 27 ms, at 300 rows 659 -> 287 ms, at 1,500 rows 3.3 -> 1.4 s. Packing happens once at
+load. Where oneDNN is missing, the model is not fp32 on the CPU, or a probe product disagrees
+with `F.linear`, the plain weight is used.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+PACK_ROWS = 16
+"""The row count oneDNN is told to expect when packing (a hint: 16 and 128 measured the same
+from 1 to 1,500 rows; 1 was slower for many rows)."""
+
+
+class Linear:
+    """`linear(x)`: x [n, in] -> [n, out]. `weight` [out, in] stays the plain tensor (None
+    once packed and `keep_plain` was False)."""
+
+    __slots__ = ("bias", "out_features", "packed", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+        self.weight: torch.Tensor | None = weight
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self.packed = _pack(weight, bias) if pack else None
+        if self.packed is not None:
+            self.weight = None  # the packed copy replaces it: no second copy in memory
+
+    @property
+    def is_packed(self) -> bool:
+        return self.packed is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            if not x.is_contiguous():
+                x = x.contiguous()
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The oneDNN-packed weight, or None if packing fails or its product is off."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+    except (RuntimeError, AttributeError) as e:
+        log.info("oneDNN linear unavailable (%r); using F.linear", e)
+        return None
+    want = F.linear(probe, weight, bias)
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-6):
+        log.warning("oneDNN linear disagrees with F.linear; using F.linear")
+        return None
+    return packed

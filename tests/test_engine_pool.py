@@ -1,0 +1,72 @@
+"""The engine's KV pool: decodes batched over pool slots answer exactly as decodes alone, a
+request the pool cannot hold decodes alone in the same steps, and every slot comes back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cachecraft.engine.engine import Engine, EngineConfig
+from cachecraft.engine.offline import Submission, run_requests
+from cachecraft.engine.runner import Runner
+from cachecraft.engine.sampling import SamplingParams
+from cachecraft.model.loader import LoadedModel, load_model
+from cachecraft.request import Chunk, RagRequest
+from cachecraft.store.memory import MemoryStore
+
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+]
+
+
+def _request(i: int, num_words: int) -> RagRequest:
+    text = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(num_words))
+    return RagRequest(f"What comes after {WORDS[i]}?", [Chunk(text, id=f"c{i}")])
+
+
+def _answers(m: LoadedModel, config: EngineConfig, requests: list[RagRequest]) -> list:
+    engine = Engine(Runner(m, MemoryStore(1 << 28)), config, caller_driven=True)
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    subs = [Submission(r, greedy, "cachecraft") for r in requests]
+    outs = run_requests(engine, subs)
+    if engine.pool is not None:
+        engine.pool.check_integrity()
+        assert engine.pool.num_free == engine.pool.num_slots  # every slot came back
+    return [o.token_ids for o in outs], engine
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_dir))
+
+
+def test_pooled_decodes_answer_as_decodes_alone(tiny_model: LoadedModel) -> None:
+    # mixed prompt lengths, more requests than slots: slots are reused as requests end
+    requests = [_request(i, n) for i, n in enumerate((5, 40, 12, 90, 25, 60, 8))]
+    alone, _ = _answers(tiny_model, EngineConfig(max_running=4, kv_pool_mib=0), requests)
+    pooled, engine = _answers(tiny_model, EngineConfig(max_running=4), requests)
+    assert pooled == alone
+    assert engine.pool is not None and engine.pool.capacity > 0
+    assert max(s.num_decodes for s in engine.recent_steps) == 4
+
+
+def test_a_request_the_pool_cannot_hold_decodes_alone_beside_it(tiny_model: LoadedModel) -> None:
+    requests = [_request(0, 10), _request(1, 200), _request(2, 15)]
+    alone, _ = _answers(tiny_model, EngineConfig(kv_pool_mib=0), requests)
+    # room for 256 positions per slot: the 200-word prompt gets its own cache
+    small = EngineConfig(max_running=4, kv_pool_mib=1)
+    tokens, engine = _answers(tiny_model, small, requests)
+    assert tokens == alone
+    assert engine.pool is not None and engine.pool.capacity < 200

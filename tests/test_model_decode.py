@@ -1,0 +1,144 @@
+"""Batched decode over a KVPool (one attention call per layer per slot group) against decoding
+each sequence alone, and the pool's slot bookkeeping."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from cachecraft.model.decode import plan_decode
+from cachecraft.model.kv import KVCache
+from cachecraft.model.kv_pool import KVPool
+from cachecraft.model.llama import LlamaModel
+from cachecraft.model.loader import LoadedModel
+from cachecraft.model.step import DecodeBatch, SeqWork
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (n,), generator=g)
+
+
+def _prefill(model: LlamaModel, kv: KVCache, ids: torch.Tensor) -> int:
+    res = model.forward_step([SeqWork(kv, ids, torch.arange(len(ids)))])[0]
+    return int(res.logits[-1].argmax())
+
+
+def _alone(model: LlamaModel, ids: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the logits of each decode step, one sequence, per-sequence path."""
+    kv = KVCache(model.arch, len(ids) + steps, torch.float32, "cpu")
+    tokens, logits = [_prefill(model, kv, ids)], []
+    for _ in range(steps):
+        pos = torch.tensor([kv.length])
+        out = model.forward_step([SeqWork(kv, torch.tensor(tokens[-1:]), pos)])[0]
+        logits.append(out.logits[0])
+        tokens.append(int(out.logits[0].argmax()))
+    return tokens, torch.stack(logits)
+
+
+def _batched(
+    model: LlamaModel, prompts: list[torch.Tensor], steps: int, hole_slots: int = 2
+) -> tuple[list[list[int]], list[torch.Tensor], KVPool]:
+    """The same sequences in a pool with free slots between them, fed in an order that is not
+    the slot order, beside a two-part prefill of another sequence in the first two steps."""
+    pool = KVPool(model.arch, len(prompts) + hole_slots, torch.float32, "cpu", 1 << 30)
+    placeholders = [pool.acquire(8) for _ in range(hole_slots)]
+    kvs = []
+    for ids in prompts:
+        kv = pool.acquire(len(ids) + steps)
+        assert kv is not None
+        kvs.append(kv)
+    for p in placeholders:  # free slots 0..hole_slots-1: they lie inside a group's range
+        assert p is not None
+        pool.release(p)
+    tokens = [[_prefill(model, kv, ids)] for kv, ids in zip(kvs, prompts, strict=True)]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    other = _ids(40, seed=99)
+    other_kv = KVCache(model.arch, 40, torch.float32, "cpu")
+    order = list(range(len(prompts)))[::-1]
+    for step in range(steps):
+        works = []
+        if step < 2:
+            rows = torch.arange(20 * step, 20 * step + 20)
+            works.append(SeqWork(other_kv, other[rows], rows))
+        ids = torch.tensor([tokens[i][-1] for i in order])
+        pos = torch.tensor([kvs[i].length for i in order])
+        out = model.step(works, DecodeBatch([kvs[i] for i in order], ids, pos))
+        assert out.decode_logits is not None and len(out.results) == len(works)
+        for row, i in enumerate(order):
+            logits[i].append(out.decode_logits[row])
+            tokens[i].append(int(out.decode_logits[row].argmax()))
+        pool.check_integrity()
+    return tokens, [torch.stack(x) for x in logits], pool
+
+
+@pytest.mark.parametrize("window", [None, 48])
+def test_batched_decode_equals_per_sequence_decode(tiny: LoadedModel, window: int | None) -> None:
+    """Greedy tokens equal and logits within 1e-4 for mixed context lengths (several slot
+    groups, padded keys, free slots inside a group), with and without a sliding window."""
+    model = tiny.model
+    if window is not None:
+        model = copy.copy(model)
+        model.arch = dataclasses.replace(model.arch, sliding_window=window)
+    prompts = [_ids(n, seed=30 + n) for n in (9, 57, 60, 130, 400)]
+    steps = 5
+    tokens, logits, _ = _batched(model, prompts, steps)
+    for i, ids in enumerate(prompts):
+        ref_tokens, ref_logits = _alone(model, ids, steps)
+        assert tokens[i] == ref_tokens
+        assert (logits[i] - ref_logits).abs().max() < 1e-4
+
+
+def test_equal_lengths_form_one_group_without_mask(tiny: LoadedModel) -> None:
+    pool = KVPool(tiny.arch, 4, torch.float32, "cpu", 1 << 30)
+    kvs = [pool.acquire(64) for _ in range(4)]
+    assert all(kv is not None for kv in kvs)
+    pos = torch.full((4,), 50)
+    plan = plan_decode(DecodeBatch(kvs, torch.ones(4, dtype=torch.long), pos), None, 4096)
+    assert len(plan.groups) == 1
+    g = plan.groups[0]
+    assert (g.first, g.end, g.length, g.at, g.mask) == (0, 4, 51, None, None)
+    assert [kv.length for kv in kvs] == [51] * 4
+
+
+def test_far_apart_lengths_split_into_groups(tiny: LoadedModel) -> None:
+    pool = KVPool(tiny.arch, 3, torch.float32, "cpu", 1 << 30)
+    kvs = [pool.acquire(3000) for _ in range(3)]
+    pos = torch.tensor([2900, 10, 20])
+    plan = plan_decode(DecodeBatch(kvs, torch.ones(3, dtype=torch.long), pos), None, 4096)
+    assert [(g.first, g.end, g.length) for g in plan.groups] == [(0, 1, 2901), (1, 3, 21)]
+    assert plan.groups[1].mask is not None  # lengths 11 and 21 in one group: keys masked
+
+
+def test_pool_slots_growth_and_release(tiny: LoadedModel) -> None:
+    arch = tiny.arch
+    pool = KVPool(arch, 3, torch.float32, "cpu", max_bytes=1 << 30)
+    a = pool.acquire(10)
+    b = pool.acquire(10)
+    assert a is not None and b is not None and (a.slot, b.slot) == (0, 1)
+    a.write(
+        0, torch.full((arch.num_layers, arch.num_kv_heads, 10, arch.head_dim), 3.0), a.k[:, :, :10]
+    )
+    grown = pool.capacity
+    c = pool.acquire(grown + 5)  # grows every slot; a's contents survive the move
+    assert c is not None and pool.capacity >= grown + 5
+    assert bool((a.k[:, :, :10] == 3.0).all()) and a.capacity == pool.capacity
+    pool.check_integrity()
+    assert pool.acquire(4) is None  # no free slot
+    pool.release(b)
+    assert b.capacity == 0 and b.slot is None
+    with pytest.raises(ValueError):
+        pool.release(b)
+    d = pool.acquire(4)
+    assert d is not None and d.slot == 1  # the lowest free slot
+    pool.check_integrity()
+
+
+def test_pool_refuses_past_its_byte_budget(tiny: LoadedModel) -> None:
+    pool = KVPool(tiny.arch, 2, torch.float32, "cpu", max_bytes=0)
+    assert pool.acquire(16) is None
+    small = KVPool(tiny.arch, 2, torch.float32, "cpu", max_bytes=1 << 30)
+    assert small.acquire(5000) is None  # past the model's context length (4096)

@@ -1,0 +1,66 @@
+"""Linear layers through oneDNN-packed weights equal F.linear; a model with packed weights
+answers as one with plain weights (greedy tokens, logits within 1e-4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from cachecraft.model.kv import KVCache
+from cachecraft.model.linear import Linear, can_pack
+from cachecraft.model.llama import LlamaModel
+from cachecraft.model.loader import LoadedModel
+from cachecraft.model.step import SeqWork
+
+needs_onednn = pytest.mark.skipif(
+    not can_pack(torch.float32, torch.device("cpu")), reason="no oneDNN in this torch build"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 17, 300])
+def test_packed_linear_equals_f_linear(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=g)
+    bias = torch.randn(96, generator=g)
+    x = torch.randn(rows, 40, generator=g)
+    lin = Linear(weight.clone(), bias, pack=True)
+    assert lin.is_packed and lin.weight is None  # the packed copy replaced the plain one
+    want = F.linear(x, weight, bias)
+    assert (lin(x) - want).abs().max() <= 1e-5 * want.abs().max()
+    strided = torch.randn(rows, 80, generator=g)[:, ::2]  # a non-contiguous input
+    assert (lin(strided) - F.linear(strided, weight, bias)).abs().max() <= 1e-5 * 40
+
+
+def test_plain_linear_when_not_packed() -> None:
+    weight = torch.randn(8, 4)
+    lin = Linear(weight, None, pack=False)
+    x = torch.randn(2, 4)
+    assert not lin.is_packed and torch.equal(lin(x), F.linear(x, weight))
+
+
+@needs_onednn
+def test_packed_model_answers_as_plain_model(tiny: LoadedModel, tiny_dir: Path) -> None:
+    state = load_file(str(tiny_dir / "model.safetensors"))
+    plain = LlamaModel(tiny.arch, tiny.hf_config, state, pack=False)
+    packed = tiny.model
+    assert packed.layers[0].qkv.is_packed and not plain.layers[0].qkv.is_packed
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 1000, (120,), generator=g)
+    outs = []
+    for model in (plain, packed):
+        kv = KVCache(model.arch, 140, torch.float32, "cpu")
+        res = model.forward_step([SeqWork(kv, ids, torch.arange(120), logits_for="all")])[0]
+        tokens, logits = [int(res.logits[-1].argmax())], [res.logits]
+        for _ in range(12):
+            pos = torch.tensor([kv.length])
+            step = model.forward_step([SeqWork(kv, torch.tensor(tokens[-1:]), pos)])[0]
+            tokens.append(int(step.logits[0].argmax()))
+            logits.append(step.logits)
+        outs.append((tokens, torch.cat(logits)))
+    assert outs[0][0] == outs[1][0]
+    assert (outs[0][1] - outs[1][1]).abs().max() < 1e-4
