@@ -170,7 +170,10 @@ def test_cli_parses_and_prints_json(fake_url: str, capsys: pytest.CaptureFixture
     )
     assert args.func(args) == 0
     assert args.server_factory is start
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # stdout stays pure JSON; progress goes to stderr
+    assert "[bench serve] cachecraft: warming up with 1 requests" in captured.err
+    assert "[bench serve] prefix: 20 req/s offered: 2 done" in captured.err
     assert out["config"]["num_requests"] == 2 and out["chosen_rate"] == 20.0
     assert (
         out["config"]["warmup"] == 1 and out["per_rate"]["20"]["cachecraft"]["num_completed"] == 2

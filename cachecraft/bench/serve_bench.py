@@ -26,6 +26,9 @@ from cachecraft.errors import CachecraftError
 
 logger = logging.getLogger(__name__)
 
+Progress = Callable[[str, str], None]
+"""`progress(system, message)`: one line of news per warm-up and per run (the CLI prints it)."""
+
 ServerFactory = Callable[[str], AbstractContextManager[str]]
 """`start_server(mode)` -> a context manager yielding the base URL of a fresh server."""
 
@@ -123,6 +126,15 @@ def ramp_rates(
     return out
 
 
+def _run_line(rate: float, summary: Mapping[str, Any]) -> str:
+    return (
+        f"{rate_key(rate)} req/s offered: {summary.get('num_completed')} done, "
+        f"{summary.get('throughput_rps', 0.0):.3f} req/s, TTFT p50 {summary.get('ttft_ms_p50')} ms, "
+        f"e2e p50 {summary.get('e2e_ms_p50')} ms, computed {summary.get('computed_tokens_per_s')} "
+        f"tok/s, rejected/errors {summary.get('num_rejected')}/{summary.get('num_errors')}"
+    )
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 3) if num is not None and den else None
 
@@ -177,6 +189,7 @@ def _run_ours(
     namespace = f"bench-{mode}-{seed}"  # one cache per system and stream, warm across runs
     with _server_context(start_server, mode) as base_url:
         kw = {"namespace": namespace, "ignore_eos": opts["ignore_eos"]}
+        opts["progress"](mode, f"warming up with {len(warm_items)} requests")
         _warm_up(base_url, rag_trace(warm_items, None, seed, mode, opts["max_tokens"], **kw))
         run_items = iter(runs)
 
@@ -186,6 +199,7 @@ def _run_ours(
             summary = _with_rate(summarize(results))
             summary["offered_rps"] = _offered(trace)
             logger.info("%s @ %s rps: %s", mode, rate_key(rate), summary)
+            opts["progress"](mode, _run_line(rate, summary))
             return summary
 
         return ramp_rates(run_at, rates, opts["max_runs"], opts["latency_bound"])
@@ -213,6 +227,7 @@ def _run_vllm(
             "max_tokens": opts["max_tokens"],
             "cache_salt": f"bench-vllm-{seed}",  # one cache per stream, warm across runs
         }
+        opts["progress"]("vllm", f"warming up with {len(warm_items)} requests")
         _warm_up(srv.base_url, vllm_trace(warm_items, None, seed, **kw))
         run_items = iter(runs)
 
@@ -225,7 +240,9 @@ def _run_vllm(
             summary["prefix_cache"] = {k: int(after[k] - before[k]) for k in after}
             summary["offered_rps"] = _offered(trace)
             logger.info("vllm @ %s rps: %s", rate_key(rate), summary)
-            return _with_rate(summary)
+            summary = _with_rate(summary)
+            opts["progress"]("vllm", _run_line(rate, summary))
+            return summary
 
         out = ramp_rates(run_at, rates, opts["max_runs"], opts["latency_bound"])
         peer_info = {"name": "vllm", "startup_s": getattr(srv, "startup_s", None)}
@@ -248,6 +265,7 @@ def run_serve_bench(
     peer_server: Callable[[], AbstractContextManager[Any]] | None = None,
     max_runs: int = DEFAULT_MAX_RUNS,
     warmup: int = 0,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Replay one request stream (synthetic Zipf workload unless `items`) per system (each
     mode, then the peer): its first `warmup` requests one by one, unmeasured, then runs of
@@ -283,6 +301,7 @@ def run_serve_bench(
         "peer_python": peer_python or ".peer-venv/bin/python",
         "max_runs": max_runs,
         "latency_bound": latency_bound,
+        "progress": progress or (lambda system, message: None),
     }
     per_mode = {m: _run_ours(start_server, m, stream, rates, seed, opts) for m in modes}
     result: dict[str, Any] = {

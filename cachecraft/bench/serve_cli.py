@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from cachecraft.api import start_server
 from cachecraft.bench.serve_bench import (
@@ -92,6 +93,11 @@ def _items(args: argparse.Namespace) -> list:
     return synthetic(n, chunk_tokens=parse_chunk_tokens(args.chunk_tokens), seed=args.seed)
 
 
+def _print_progress(system: str, message: str) -> None:
+    """A long run (tens of minutes) says what it is doing, on stderr (stdout may be JSON)."""
+    print(f"[bench serve] {system}: {message}", file=sys.stderr, flush=True)
+
+
 def main_serve_bench(args: argparse.Namespace) -> int:
     items = _items(args)
     result = run_serve_bench(
@@ -106,6 +112,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         items=items,
         max_runs=args.max_runs,
         warmup=args.warmup,
+        progress=_print_progress,
     )
     result["config"]["workload"] = args.workload
     if args.json:
