@@ -34,7 +34,7 @@ ServerFactory = Callable[[str], AbstractContextManager[str]]
 
 DEFAULT_MODES = ("prefix", "cachecraft")
 DEFAULT_RATES = (0.15, 0.3)
-DEFAULT_MAX_RUNS = 4
+DEFAULT_MAX_RUNS = 5
 """Runs per system: the ladder, then doubling, until saturation or this many."""
 PEERS = ("vllm",)
 
