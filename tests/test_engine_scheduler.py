@@ -103,3 +103,47 @@ def test_finish_records_reason_and_bad_config() -> None:
     assert not s.has_work()
     with pytest.raises(ValueError):
         Scheduler(token_budget=2, max_running=4)
+
+
+def test_a_splittable_prefill_runs_in_pieces_beside_the_decodes() -> None:
+    s = Scheduler(token_budget=10, max_running=4, max_queue=8)
+    s.add(seq("a", 3))
+    assert step(s) == (["a"], [])
+    long = seq("long", 25)
+    long.can_split = True
+    s.add(long)
+    done = []
+    for _ in range(3):  # the decode of a goes on while long's prefill advances 9 rows a step
+        out = s.schedule()
+        assert out.decode_ids == ["a"]
+        if out.prefill_ids:
+            assert out.prefill_ids == ["long"]
+            long.num_done_rows += out.prefill_rows[0]
+            done.append(out.prefill_rows[0])
+            if long.num_rows_left == 0:
+                s.prefilled("long")
+        s.check_integrity()
+    assert done == [9, 9, 7]
+    assert s.schedule().decode_ids == ["a", "long"]
+
+
+def test_prefills_under_way_go_before_new_ones() -> None:
+    s = Scheduler(token_budget=10, max_running=4, max_queue=8)
+    first = seq("first", 14)
+    first.can_split = True
+    s.add(first)
+    out = s.schedule()
+    assert (out.prefill_ids, out.prefill_rows) == (["first"], [10])
+    first.num_done_rows = 10
+    s.add(seq("next", 5))  # not splittable: waits until 5 rows are left in a step
+    out = s.schedule()
+    assert (out.prefill_ids, out.prefill_rows) == (["first", "next"], [4, 5])
+
+
+def test_no_splitting_when_the_scheduler_is_told_not_to() -> None:
+    s = Scheduler(token_budget=10, max_running=4, max_queue=8, split_prefills=False)
+    big = seq("big", 25)
+    big.can_split = True
+    s.add(big)
+    out = s.schedule()  # oversize and alone: the whole prefill in one step, as before
+    assert (out.prefill_ids, out.prefill_rows) == (["big"], [25])

@@ -100,7 +100,7 @@ def test_equal_lengths_form_one_group_without_mask(tiny: LoadedModel) -> None:
     plan = plan_decode(DecodeBatch(kvs, torch.ones(4, dtype=torch.long), pos), None, 4096)
     assert len(plan.groups) == 1
     g = plan.groups[0]
-    assert (g.first, g.end, g.length, g.at, g.mask) == (0, 4, 51, None, None)
+    assert (g.first, g.end, g.length, g.at, g.hidden) == (0, 4, 51, None, None)
     assert [kv.length for kv in kvs] == [51] * 4
 
 
@@ -110,7 +110,8 @@ def test_far_apart_lengths_split_into_groups(tiny: LoadedModel) -> None:
     pos = torch.tensor([2900, 10, 20])
     plan = plan_decode(DecodeBatch(kvs, torch.ones(3, dtype=torch.long), pos), None, 4096)
     assert [(g.first, g.end, g.length) for g in plan.groups] == [(0, 1, 2901), (1, 3, 21)]
-    assert plan.groups[1].mask is not None  # lengths 11 and 21 in one group: keys masked
+    hidden = plan.groups[1].hidden  # lengths 11 and 21 in one group: keys 11..20 of slot 1
+    assert hidden is not None and hidden[0].sum() == 10 and hidden[1].sum() == 0
 
 
 def test_pool_slots_growth_and_release(tiny: LoadedModel) -> None:

@@ -35,7 +35,7 @@ from cachecraft.engine.scheduler import QueueFull, Scheduler
 from cachecraft.errors import BadRequestError
 from cachecraft.model.kv import KVCache
 from cachecraft.model.kv_pool import KVPool
-from cachecraft.model.step import DecodeBatch, SeqResult, SeqWork
+from cachecraft.model.step import DecodeBatch, SeqResult, SeqWork, merge_results, piece
 from cachecraft.request import RagRequest
 from cachecraft.reuse.layout import PromptLayout
 from cachecraft.reuse.plan import RecomputePlan
@@ -63,13 +63,17 @@ class EngineConfig:
     """token_budget: rows per step (prefill rows computed + 1 per decode); max_running: cap on
     sequences holding a KV cache; max_queue: waiting requests before QueueFull (HTTP 429);
     kv_pool_mib: most memory of the KV pool (max_running slots) that batches decode attention;
-    a request that does not fit gets a cache of its own and decodes alone (0: no pool)."""
+    a request that does not fit gets a cache of its own and decodes alone (0: no pool);
+    chunked_prefill: a prefill larger than what is left of a step's budget runs in pieces over
+    several steps, the others' decodes going on between them (plans whose in-forward checks
+    need all rows at once always run whole)."""
 
     token_budget: int = 2048
     max_running: int = 16
     max_queue: int = 64
     mode: str = "cachecraft"
     kv_pool_mib: int = 4096
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -104,6 +108,8 @@ class _Live:
     kv: KVCache | None = None
     """Its KV cache (a pool slot when one was free), kept across re-plans; freed after the
     step it finished in."""
+    pieces: list[SeqResult] = field(default_factory=list)
+    """Results of the pieces of a chunked prefill computed so far."""
 
 
 class Engine:
@@ -116,7 +122,7 @@ class Engine:
         self.caller_driven = caller_driven
         self.config = config or EngineConfig()
         c = self.config
-        self.scheduler = Scheduler(c.token_budget, c.max_running, c.max_queue)
+        self.scheduler = Scheduler(c.token_budget, c.max_running, c.max_queue, c.chunked_prefill)
         self._wake = threading.Condition()
         self._inbox: deque[_Live] = deque()
         self._aborts: dict[str, str] = {}  # request id -> finish reason ("abort" or "stop")
@@ -474,6 +480,7 @@ class Engine:
         max_tokens = min(live.sampling.max_tokens, max_ctx - layout.num_tokens + 1)
         live.plan = plan
         live.state = SeqState(rid, layout.num_tokens, plan.num_rows, max_tokens)
+        live.state.can_split = plan.early_exit is None and plan.deviation is None
         live.generator = make_generator(live.sampling)
         eos = () if live.sampling.ignore_eos else self.runner.loaded.eos_token_ids
         live.stops = frozenset((*eos, *live.sampling.stop_token_ids))
@@ -494,16 +501,28 @@ class Engine:
             return
         works: list[SeqWork] = []
         order: list[tuple[str, bool]] = []  # (request id, is_prefill) per work
-        for rid in out.prefill_ids:
+        spans: dict[str, tuple[int, int]] = {}  # prefill rows a..b-1 of its job this step
+        for rid, count in zip(out.prefill_ids, out.prefill_rows, strict=True):
             live = self._live[rid]
-            assert live.plan is not None and live.state is not None
-            try:
-                self._start(live)
-            except Exception as e:
-                self._fail(rid, e)
-                continue
-            works.append(live.job.work)
+            state = live.state
+            assert live.plan is not None and state is not None
+            if state.num_done_rows == 0 or live.job is None:
+                try:
+                    self._start(live)
+                except Exception as e:
+                    self._fail(rid, e)
+                    continue
+                assert live.job is not None
+                work = live.job.work
+                live.pieces, state.num_done_rows = [], 0
+                state.num_prefill_rows = len(live.job.rows)  # a re-plan may have changed it
+                state.can_split = not work.hooks and work.last_layer is None
+            assert live.job is not None
+            total, a = state.num_prefill_rows, state.num_done_rows
+            b = min(total, a + count) if state.can_split else total
+            works.append(live.job.work if (a, b) == (0, total) else piece(live.job.work, a, b))
             order.append((rid, True))
+            spans[rid] = (a, b)
         # Decodes in a pool slot go in one DecodeBatch: ids and positions in one tensor.
         batch_ids: list[str] = []
         caches: list[KVCache] = []
@@ -539,7 +558,15 @@ class Engine:
             if live is None or result is None:
                 continue
             if is_prefill:
-                assert live.job is not None
+                assert live.job is not None and live.state is not None
+                if result.rows_last_layer.shape[0] < len(live.job.rows):  # a piece
+                    live.pieces.append(result)
+                    live.state.num_done_rows = spans[rid][1]
+                    if live.state.num_done_rows < len(live.job.rows):
+                        continue  # more pieces in the next steps
+                    result = merge_results(live.pieces)
+                live.pieces = []
+                live.state.num_done_rows = len(live.job.rows)
                 try:
                     outcome = self.runner.finish(live.job, result)
                 except Exception as e:
@@ -599,6 +626,8 @@ class Engine:
             return None
         if live.kv is not None:
             self._released.append(live.kv)
+        if live.outcome is None:  # ended before its prefill finished: its readers stay open
+            self._close_loader(live)
         if reason is not None:
             self.num_aborted += reason == "abort"
             out = list(live.state.output_ids) if live.state else []

