@@ -36,7 +36,7 @@ demo: setup
 PORT    ?= 8000
 
 serve: setup
-	$(BIN)/cachecraft serve --host 127.0.0.1 --port $(PORT) --cache-dir ./.cachecraft
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/cachecraft serve --host 127.0.0.1 --port $(PORT) --cache-dir ./.cachecraft
 
 PEER       := .peer-venv
 PEER_STAMP := $(PEER)/.cachecraft-peer
