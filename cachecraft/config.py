@@ -48,7 +48,7 @@ class ReuseConfig:
     early_termination: bool = True
     et_layer: int | None = None
     """cachecraft-paper: layer after which unfocused chunks stop being recomputed; None =
-    num_layers // 3. (cachecraft folds early termination into its probe's budget split.)"""
+    num_layers // 3. (cachecraft's `need` split folds it into the probe's budget split.)"""
     focus_threshold: float = 0.05
     """A chunk is unfocused when its share of the question's attention to chunks is below this."""
     probe_split: Literal["need", "global", "chunk"] = "global"
