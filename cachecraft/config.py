@@ -48,19 +48,28 @@ class ReuseConfig:
     early_termination: bool = True
     et_layer: int | None = None
     """cachecraft-paper: layer after which unfocused chunks stop being recomputed; None =
-    num_layers // 3. (cachecraft folds early termination into its probe's budget split.)"""
+    num_layers // 3. (cachecraft's `need` split folds it into the probe's budget split.)"""
     focus_threshold: float = 0.05
     """A chunk is unfocused when its share of the question's attention to chunks is below this."""
-    probe_split: Literal["need", "global", "chunk"] = "need"
-    """cachecraft: how the probe spends the request's CFO budget: 'need' (top tokens of all
-    reused chunks by predicted error x question attention; chunks below focus_threshold get
-    none), 'global' (question attention alone) or 'chunk' (each chunk its own CFO budget)."""
+    probe_split: Literal["need", "global", "chunk"] = "global"
+    """cachecraft: how the probe spends the request's CFO budget: 'global' (top tokens of all
+    reused chunks by question attention), 'need' (by predicted error x question attention;
+    chunks below focus_threshold get none) or 'chunk' (each chunk its own CFO budget)."""
     probe_first_layer: int = 0
     probe_last_layer: int | None = None
     """Layers whose question attention the probe averages (None: the top layer). The probe
     runs up to probe_last_layer only."""
     probe_blend: float = 0.0
     """Weight of the stored score added to the question attention (both scaled per chunk)."""
+    probe_check: float = 3.0
+    """cachecraft: after the probe, the top probe_check x budget tokens by its ranking run to
+    probe_check_layer, where the budget tokens whose K/V deviate most, weighted by question
+    attention (probe_check_score), keep going; 0: the probe's ranking alone decides."""
+    probe_check_layer: int = 1
+    probe_check_score: Literal["product", "deviation"] = "product"
+    """At the check: 'product' ranks by question attention x K/V deviation (the first-order
+    change a token's stale K/V make to the question's attention output); 'deviation' by the
+    deviation alone among the candidates."""
     prophet_ratio: float = 0.2
     """prophet: share of the reused chunks' tokens recomputed (when no budget is given)."""
     cacheblend_ratio: float = 0.15

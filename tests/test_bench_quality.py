@@ -149,8 +149,8 @@ def test_arms_order_ablations_and_budget_source() -> None:
     assert by_name["cachecraft-one-variant"].max_variants_per_chunk == 1
     assert not by_name["cachecraft-no-order"].config.use_order_penalty
     assert by_name["cachecraft-empty-paper"].config.empty_s_old == "paper"
-    assert by_name["cachecraft-global"].config.probe_split == "global"
-    assert by_name["cachecraft-global"].mode == "cachecraft"
+    assert by_name["cachecraft-need"].config.probe_split == "need"
+    assert by_name["cachecraft-need"].mode == "cachecraft"
     blend = by_name["cacheblend-global"]
     assert blend.mode == "cacheblend" and blend.config.cacheblend_global
     assert blend.budget_from == "cachecraft"

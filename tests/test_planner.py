@@ -274,6 +274,7 @@ def test_cacheblend_leaves_selection_to_the_runner() -> None:
     p = plan("cacheblend")
     a, b, c = p.chunks
     assert a.select == "deviation" and a.budget == 1  # ceil(0.15 * 4)
+    assert a.recompute == (0, 1, 2, 3)  # every token is a candidate at the check
     assert b.select == "deviation" and b.budget == 1  # ceil(0.15 * 5)
     assert c.select == "planned" and c.recompute == (0, 1, 2)
     assert p.deviation is not None and p.deviation.layer == 1 and p.deviation.total is None

@@ -149,7 +149,8 @@ def test_cachecraft_probe_spends_cfo_budget_by_need() -> None:
     # A after (X) cached after (Y): beta 0; B after (X, A) cached after (C): beta 0.
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",), cci=0.8)], "B": [variant("B", ("C",), cci=0.6)]}
-    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, focus_threshold=0.0))
+    config = ReuseConfig(alpha=1.0, focus_threshold=0.0, probe_split="need", probe_check=0.0)
+    p = plan("cachecraft", variants, lay, config)
     a, b = p.chunks[1], p.chunks[2]
     assert (a.select, b.select) == ("probe", "probe")
     assert (a.budget, b.budget) == (4, 3)  # ceil(0.8 * 4), ceil(0.6 * 5)
@@ -172,10 +173,11 @@ def test_cachecraft_probe_spends_cfo_budget_by_need() -> None:
 def test_unfocused_chunks_get_no_budget() -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",))]}
-    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, focus_threshold=0.2))
+    need = {"probe_split": "need", "probe_check": 0.0}
+    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, focus_threshold=0.2, **need))
     r = resolve_probe(p, _att(p, {1: [0.01] * 4, 2: [0.5] * 5}))  # A's share < 0.2
     assert r.chunks[1].recompute == () and len(r.chunks[2].recompute) == 5
-    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, early_termination=False))
+    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, early_termination=False, **need))
     r = resolve_probe(p, _att(p, {1: [0.01] * 4, 2: [0.5] * 5}))
     assert len(r.chunks[1].recompute) > 0
 
@@ -183,7 +185,9 @@ def test_unfocused_chunks_get_no_budget() -> None:
 def test_probe_blend_keeps_question_attention_when_stored_scores_are_zero() -> None:
     lay = layout("X", "B")
     variants = {"B": [variant("B", ("C",), scores=(0.0,) * 5)]}
-    config = ReuseConfig(alpha=0.4, probe_blend=1.0)  # ceil(0.4 * 0.8 * 5) = 2 tokens
+    config = ReuseConfig(
+        alpha=0.4, probe_blend=1.0, probe_check=0.0
+    )  # ceil(0.4 * 0.8 * 5) = 2 tokens
     p = plan("cachecraft", variants, lay, config)
     r = resolve_probe(p, _att(p, {1: [0.1, 0.0, 0.5, 0.0, 0.3]}))
     assert r.chunks[1].recompute == (2, 4)
@@ -193,14 +197,49 @@ def test_probe_splits_chunk_and_global() -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("X",), cci=0.6)]}
     att = {1: [0.9, 0.8, 0.0, 0.0], 2: [0.1, 0.1, 0.1, 0.2, 0.1]}
-    chunk = plan("cachecraft", variants, lay, ReuseConfig(probe_split="chunk"))
+    chunk = plan("cachecraft", variants, lay, ReuseConfig(probe_split="chunk", probe_check=0.0))
     r = resolve_probe(chunk, _att(chunk, att))
     assert [c.num_recompute for c in r.chunks[1:]] == [c.budget for c in chunk.chunks[1:]]
-    glob = plan("cachecraft", variants, lay, ReuseConfig(probe_split="global"))
+    glob = plan("cachecraft", variants, lay, ReuseConfig(probe_split="global", probe_check=0.0))
     total = glob.probe.total
     r = resolve_probe(glob, _att(glob, att))
     assert r.chunks[1].recompute == (0, 1)[: min(2, total)]
     assert sum(c.num_recompute for c in r.chunks[1:]) == total
+
+
+def test_probe_check_makes_candidates_weighted_by_question_attention() -> None:
+    lay = layout("X", "A", "B")
+    variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",), cci=0.6)]}
+    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=0.5, probe_check=1.5))
+    assert p.probe is not None and p.probe.check == 1.5 and p.probe.split == "global"
+    total = p.probe.total
+    assert total == 2 + 2  # ceil(0.5 * 0.8 * 4), ceil(0.5 * 0.6 * 5)
+    att = {1: [0.9, 0.0, 0.0, 0.8], 2: [0.1, 0.7, 0.2, 0.3, 0.6]}
+    r = resolve_probe(p, _att(p, att))
+    a, b = r.chunks[1], r.chunks[2]
+    # 1.5 x 4 candidates: the top 6 by question attention (0.9, 0.8, 0.7, 0.6, 0.3, 0.2)
+    assert (a.select, b.select) == ("deviation", "deviation")
+    assert a.recompute == (0, 3) and b.recompute == (1, 2, 3, 4)
+    assert a.reason == "cfo+global+check"
+    check = r.deviation
+    assert check is not None and check.total == total and check.layer == 1
+    assert check.weights == (None, (0.9, 0.8), (0.7, 0.2, 0.3, 0.6))
+    assert r.num_rows == 6 + 6 + 2 and len(r.rows()) == r.num_rows  # X, candidates, question
+    assert sum(c.num_recompute for c in r.chunks[1:]) == total  # what goes on past the check
+    flat = plan("cachecraft", variants, lay, ReuseConfig(alpha=0.5, probe_check_score="deviation"))
+    r = resolve_probe(flat, _att(flat, att))
+    assert r.deviation.weights == (None, (1.0,) * 4, (1.0,) * 5)  # 3 x 4 > 9: all
+
+
+def test_probe_check_everything_when_the_budget_is_everything() -> None:
+    lay = layout("X", "A")
+    variants = {"A": [variant("A", ("Y",))]}
+    p = plan("cachecraft", variants, lay, budgets=[None, 4])
+    r = resolve_probe(p, _att(p, {1: [0.0, 0.1, 0.0, 0.2]}))
+    assert r.chunks[1].recompute == (0, 1, 2, 3) and r.deviation.total == 4
+    none = plan("cachecraft", variants, lay, budgets=[None, 0])
+    r = resolve_probe(none, _att(none, {1: [0.0, 0.1, 0.0, 0.2]}))
+    assert r.deviation is None and r.chunks[1].recompute == ()
 
 
 def test_prophet_is_one_global_budget_of_question_attention() -> None:
@@ -243,6 +282,8 @@ def test_resolve_rejects_attention_of_the_wrong_shape() -> None:
         {"prophet_ratio": -0.1},
         {"refresh_error": -1.0},
         {"probe_blend": -1.0},
+        {"probe_check": -1.0},
+        {"probe_check_score": "magic"},
     ],
 )
 def test_bad_settings_are_clear_errors(bad: dict) -> None:

@@ -113,11 +113,11 @@ def test_cachecraft_paper_recomputes_ceil_cfo_tokens(llm: LLM) -> None:
 def test_cachecraft_spends_the_summed_cfo_budget_where_the_question_looks(tiny_dir: Path) -> None:
     llm = LLM(
         str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"), focus_threshold=0.0
-    )
+    )  # default: global split, candidates through the check layer
     _run(llm, _req([0, 1, 2]), "cachecraft")
     out = _run(llm, _req([2, 1, 0]), "cachecraft")
     chunks = out.report.chunks
-    assert all(c.is_hit and c.reason == "cfo+need" for c in chunks)
+    assert all(c.is_hit and c.reason == "cfo+global+check" for c in chunks)
     assert sum(c.tokens_recomputed for c in chunks) == sum(_ceil_cfo(c) for c in chunks)
     assert out.report.probe_tokens > 0  # the question, probed over the spliced cache
     rep = out.report
@@ -221,7 +221,8 @@ EVERYTHING = dict(
     "mode,extra",
     [
         ("cachecraft", {}),
-        ("cachecraft", {"probe_split": "global"}),
+        ("cachecraft", {"probe_split": "need", "probe_check": 0.0}),
+        ("cachecraft", {"probe_check_score": "deviation"}),
         ("cachecraft", {"probe_blend": 1.0, "probe_last_layer": 1}),
         ("cachecraft-paper", {}),
         ("prophet", {}),

@@ -54,7 +54,10 @@ at the budgets of the cachecraft point of the same alpha."""
 
 ABLATIONS: dict[str, dict[str, Any]] = {
     # ReuseConfig fields, except STORE_FIELDS, which go to the arm's own store
-    "cachecraft-global": {"probe_split": "global"},
+    "cachecraft-need": {"probe_split": "need"},
+    "cachecraft-no-check": {"probe_check": 0.0},
+    "cachecraft-check-deviation": {"probe_check_score": "deviation"},
+    "cachecraft-check-all": {"probe_check": 1000.0},
     "cachecraft-chunk": {"probe_split": "chunk"},
     "cachecraft-no-focus": {"early_termination": False},
     "cachecraft-blend": {"probe_blend": 1.0},

@@ -51,17 +51,21 @@ class EarlyTermination:
 @dataclass(slots=True)
 class DeviationSelect:
     """CacheBlend: at the check layer keep, per reused chunk, the `budget` tokens whose fresh
-    K/V deviate most from the cached ones; every other token of the chunk stops there."""
+    K/V deviate most from the cached ones; every other token of the chunk stops there. With
+    `weights` (cachecraft) the rank is the question's attention x the deviation's norm."""
 
     spans: tuple[tuple[int, int, int], ...]  # (start, end, budget)
     total: int | None = None
     """If set, keep the top `total` tokens over all spans together (CacheBlend's global pick)."""
+    weights: torch.Tensor | None = None
+    """[num_tokens] by absolute position: rank by weight x norm of the deviation instead."""
 
     def __call__(self, view: LayerView) -> torch.Tensor | None:
         assert view.k_old is not None and view.v_old is not None
-        dev = (view.k_new - view.k_old).pow(2).sum((0, 2)) + (view.v_new - view.v_old).pow(2).sum(
-            (0, 2)
-        )
+        dk = (view.k_new - view.k_old).float().pow(2).sum((0, 2))  # [n]
+        dev = dk + (view.v_new - view.v_old).float().pow(2).sum((0, 2))
+        if self.weights is not None:
+            dev = dev.sqrt() * self.weights.to(dev.device)[view.positions]
         keep = torch.ones_like(view.positions, dtype=torch.bool)
         in_spans = torch.zeros_like(keep)
         for start, end, budget in self.spans:

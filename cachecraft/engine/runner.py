@@ -230,9 +230,24 @@ class Runner:
                 if cp.variant is not None and cp.select == "deviation"
             )
             if spans:
-                hooks[min(plan.deviation.layer, top)] = DeviationSelect(spans, plan.deviation.total)
+                weights = self._deviation_weights(plan)
+                check = DeviationSelect(spans, plan.deviation.total, weights)
+                hooks[min(plan.deviation.layer, top)] = check
                 job.work.hooks_need_old = True
         job.work.hooks = hooks
+
+    @staticmethod
+    def _deviation_weights(plan: RecomputePlan) -> torch.Tensor | None:
+        """[num_tokens] the check's weight per absolute position (None: unweighted)."""
+        check = plan.deviation
+        if check is None or check.weights is None:
+            return None
+        out = torch.zeros(plan.layout.num_tokens, dtype=torch.float32)
+        for cp, w in zip(plan.chunks, check.weights, strict=True):
+            if w is not None:
+                at = torch.tensor([cp.slot.start + t for t in cp.recompute], dtype=torch.long)
+                out[at] = torch.tensor(w, dtype=torch.float32)
+        return out
 
     # ---- after the forward ----------------------------------------------------------------
     def finish(self, job: PrefillJob, result: SeqResult) -> PrefillOutcome:

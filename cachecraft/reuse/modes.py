@@ -209,7 +209,8 @@ def plan_cacheblend(inp: PlanInput) -> RecomputePlan:
     def one(i: int, slot: ChunkSlot, score: VariantScore) -> ChunkPlan:
         default = math.ceil(config.cacheblend_ratio * slot.num_tokens - 1e-9)
         budget, reason = _budget(inp, i, default)
-        return hit(slot, score, (), reason, budget=budget, select="deviation")
+        every = tuple(range(slot.num_tokens))  # all tokens are candidates at the check
+        return hit(slot, score, every, reason, budget=budget, select="deviation")
 
     chunks = _per_chunk(inp, "cacheblend", one)
     total = None
@@ -239,18 +240,31 @@ def plan_cachecraft_paper(inp: PlanInput) -> RecomputePlan:
     return _plan(inp, "cachecraft-paper", chunks, early_exit=early)
 
 
-def _probe(inp: PlanInput, total: int, split: str, focus: float) -> ProbeCheck:
+def _probe(inp: PlanInput, total: int, split: str, focus: float, check: float) -> ProbeCheck:
     c = inp.config
     top = inp.num_layers - 1
     last = top if c.probe_last_layer is None else min(max(c.probe_last_layer, 0), top)
     first = min(max(c.probe_first_layer, 0), last)
-    return ProbeCheck(total, split, first, last, focus, c.probe_blend)  # type: ignore[arg-type]
+    check_layer = min(max(c.probe_check_layer, 0), top)
+    return ProbeCheck(
+        total,
+        split,  # type: ignore[arg-type]
+        first,
+        last,
+        focus,
+        c.probe_blend,
+        check,
+        check_layer,
+        c.probe_check_score,
+    )
 
 
 def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
     """Ours: the variant with the lowest predicted error (honest beta); a chunk whose best
     predicted error is above refresh_error is computed in full (a fresh variant); CFO sets the
-    request's budget; a probe of the question picks the tokens (selectors.select_by_question)."""
+    request's budget; a probe of the question ranks the tokens and, with probe_check, the
+    top-ranked run to a check layer where question attention x K/V deviation picks the ones
+    that go on (selectors.select_by_question)."""
     config = inp.config
     chunks = []
     for i, slot in enumerate(inp.layout.chunks):
@@ -268,7 +282,7 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
         return _plan(inp, "cachecraft", chunks)
     total = sum(c.budget for c in probed)
     focus = config.focus_threshold if config.early_termination else 0.0
-    probe = _probe(inp, total, config.probe_split, focus)
+    probe = _probe(inp, total, config.probe_split, focus, config.probe_check)
     return _plan(inp, "cachecraft", chunks, probe=probe)
 
 
@@ -288,7 +302,7 @@ def plan_prophet(inp: PlanInput) -> RecomputePlan:
         return _plan(inp, "prophet", chunks)
     given = inp.given_total()
     total = fix_count(inp.config.prophet_ratio, reused) if given is None else min(given, reused)
-    return _plan(inp, "prophet", chunks, probe=_probe(inp, total, "global", 0.0))
+    return _plan(inp, "prophet", chunks, probe=_probe(inp, total, "global", 0.0, 0.0))
 
 
 MODE_PLANNERS: dict[str, Callable[[PlanInput], RecomputePlan]] = {

@@ -14,8 +14,10 @@ How a reused chunk's recomputed tokens are chosen (`ChunkPlan.select`):
     "probe"      `budget` of them, chosen after a probe pass by the attention the question rows
                  give each token (`RecomputePlan.probe`; `selectors.select_by_question` fills
                  `recompute` and the plan becomes "planned").
-    "deviation"  every token is computed up to the check layer, where the `budget` tokens whose
-                 K/V deviate most keep going (CacheBlend; `RecomputePlan.deviation`).
+    "deviation"  the candidates in `recompute` (every token for CacheBlend) are computed up to
+                 the check layer, where the `budget` tokens whose K/V deviate most keep going
+                 (`RecomputePlan.deviation`; cachecraft weights the deviation by the question's
+                 attention).
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ class ChunkPlan:
     """Per chunk: the variant reused (None = computed in full), what is recomputed and why.
 
     recompute: sorted offsets within the chunk (0..num_tokens-1) computed fresh; all of them
-               when `variant` is None; filled later when `select` is "probe".
+               when `variant` is None; filled later when `select` is "probe"; for
+               "deviation" the candidates that run to the check layer.
     budget:    tokens this chunk recomputes (`len(recompute)` once planned; the check layer's
                keep count for "deviation").
     reason:    why this plan: "miss", "exact", "refresh" (stale variant recomputed in full),
@@ -119,13 +122,15 @@ class ChunkPlan:
     @property
     def num_rows(self) -> int:
         """Rows this chunk adds to the forward at layer 0."""
-        if self.variant is None or self.select == "deviation":
+        if self.variant is None:
             return self.slot.num_tokens
+        if self.select == "deviation":
+            return len(self.recompute)
         return self.num_recompute
 
     def rows(self) -> tuple[int, ...]:
         """Absolute positions this chunk computes at layer 0 (needs a planned selection)."""
-        if self.variant is None or self.select == "deviation":
+        if self.variant is None:
             return tuple(range(self.slot.start, self.slot.end))
         if self.select == "probe":
             raise ValueError("the chunk's tokens are chosen by the probe: resolve the plan first")
@@ -143,11 +148,16 @@ class EarlyExit:
 
 @dataclass(frozen=True, slots=True)
 class DeviationCheck:
-    """CacheBlend's check: at `layer`, keep the tokens whose fresh K/V deviate most from the
-    cached ones: per chunk its `budget`, or (`total` set) the top `total` across all chunks."""
+    """CacheBlend's check: at `layer`, keep the candidates whose fresh K/V deviate most from the
+    cached ones: per chunk its `budget`, or (`total` set) the top `total` across all chunks.
+
+    weights: per chunk of the plan, one weight per offset in its `recompute` (None for chunks
+    without a check); with weights the rank is weight x norm of the K/V deviation (cachecraft:
+    the question's attention x how far the token's cached K/V are off)."""
 
     layer: int
     total: int | None = None
+    weights: tuple[tuple[float, ...] | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +172,9 @@ class ProbeCheck:
     each chunk's planned budget.
     blend: weight of the stored score s(t), added to the question attention (both scaled to
     [0, 1] per chunk), so a zero stored score never zeroes a token's rank.
+    check: when > 0, the top ceil(check x total) tokens by that ranking become candidates that
+    run to `check_layer`, where `total` of them keep going by question attention x K/V
+    deviation (`check_score` "product") or by the deviation alone ("deviation").
     """
 
     total: int
@@ -170,6 +183,9 @@ class ProbeCheck:
     last_layer: int
     focus_threshold: float = 0.0
     blend: float = 0.0
+    check: float = 0.0
+    check_layer: int = 1
+    check_score: Literal["product", "deviation"] = "product"
 
 
 @dataclass(frozen=True, slots=True)

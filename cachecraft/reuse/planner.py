@@ -74,6 +74,12 @@ def check_config(config: ReuseConfig) -> None:
         raise ValueError("refresh_error must be >= 0 (or None: never refresh)")
     if config.probe_blend < 0.0:
         raise ValueError("probe_blend must be >= 0")
+    if config.probe_check < 0.0:
+        raise ValueError("probe_check must be >= 0 (0: no check layer)")
+    if config.probe_check_score not in ("product", "deviation"):
+        raise ValueError(
+            f"probe_check_score must be product or deviation, got {config.probe_check_score!r}"
+        )
 
 
 def resolve_probe(

@@ -5,16 +5,18 @@ is split across its reused chunks. One function per selector; pure Python, no to
 * `first_n`: EPIC, the chunk's first N tokens.
 * `random_n`: N distinct offsets from a seeded generator.
 * `select_by_question`: resolve a plan's probe: spend its budget on the tokens the question
-  rows attend to most (per chunk by need, or globally), optionally blended with s(t).
+  rows attend to most (globally, per chunk, or by need), optionally blended with s(t), and
+  optionally through a check layer that weighs question attention by K/V deviation.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import replace
 
-from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
+from cachecraft.reuse.plan import ChunkPlan, DeviationCheck, RecomputePlan
 
 
 def top_scored(scores: Sequence[float], n: int) -> tuple[int, ...]:
@@ -46,6 +48,39 @@ def _ranking_scores(cp: ChunkPlan, attention: Sequence[float], blend: float) -> 
     return [a + blend * s for a, s in zip(att, stored, strict=True)]
 
 
+def _global_counts(
+    idx: Sequence[int],
+    scores: dict[int, list[float]],
+    weight: dict[int, float],
+    total: int,
+) -> dict[int, int]:
+    """Per chunk, how many of the top `total` tokens of all chunks by weight x score it holds."""
+    ranked = sorted(
+        ((i, t) for i in idx if weight[i] > 0 for t in range(len(scores[i]))),
+        key=lambda it: (-weight[it[0]] * scores[it[0]][it[1]], it[0], it[1]),
+    )
+    counts = dict.fromkeys(idx, 0)
+    for i, _ in ranked[: max(total, 0)]:
+        counts[i] += 1
+    return counts
+
+
+def _weights(plan: RecomputePlan, idx: Sequence[int], att: dict[int, Sequence[float]]) -> dict:
+    """Per probed chunk, the multiplier of its tokens' scores under the plan's split."""
+    probe = plan.probe
+    assert probe is not None
+    weight = dict.fromkeys(idx, 1.0)
+    if probe.split == "need":
+        mass = {i: sum(att[i]) for i in idx}
+        total_mass = sum(mass.values())
+        for i in idx:
+            focus = mass[i] / total_mass if total_mass > 0 else 1.0 / len(idx)
+            stale = plan.chunks[i].error
+            stale = plan.chunks[i].cfo if stale is None else stale
+            weight[i] = (stale or 0.0) if focus >= probe.focus_threshold else 0.0
+    return weight
+
+
 def select_by_question(
     plan: RecomputePlan, attention: Sequence[Sequence[float] | None]
 ) -> RecomputePlan:
@@ -59,7 +94,12 @@ def select_by_question(
                     (early termination, decided before the forward instead of inside it).
     split "global": the top `probe.total` tokens by question attention alone (ProphetKV).
     split "chunk":  each chunk its own planned budget, top tokens by question attention.
-    Returns the plan with every "probe" chunk planned (reason gains "+need" etc.).
+
+    Without a check (`probe.check` 0) those tokens are the plan's (select "planned"). With it,
+    the top ceil(check x budget) by the same ranking become candidates (select "deviation"):
+    they run to `probe.check_layer`, where the plan's DeviationCheck keeps the budget (per
+    chunk for "chunk", `probe.total` over all chunks otherwise) by question attention x K/V
+    deviation. Returns the plan with no chunk left on "probe" (reason gains "+global" etc.).
     """
     probe = plan.probe
     if probe is None:
@@ -74,30 +114,41 @@ def select_by_question(
             raise ValueError(f"chunk {i} needs one attention value per token")
         att[i] = a
     scores = {i: _ranking_scores(plan.chunks[i], att[i], probe.blend) for i in idx}
+    weight = _weights(plan, idx, att)
     if probe.split == "chunk":
         counts = {i: plan.chunks[i].budget for i in idx}
     else:
-        weight = dict.fromkeys(idx, 1.0)
-        if probe.split == "need":
-            mass = {i: sum(att[i]) for i in idx}
-            total_mass = sum(mass.values())
-            for i in idx:
-                focus = mass[i] / total_mass if total_mass > 0 else 1.0 / len(idx)
-                stale = plan.chunks[i].error
-                stale = plan.chunks[i].cfo if stale is None else stale
-                weight[i] = (stale or 0.0) if focus >= probe.focus_threshold else 0.0
-        ranked = sorted(
-            ((i, t) for i in idx if weight[i] > 0 for t in range(len(scores[i]))),
-            key=lambda it: (-weight[it[0]] * scores[it[0]][it[1]], it[0], it[1]),
-        )
-        counts = dict.fromkeys(idx, 0)
-        for i, _ in ranked[: max(probe.total, 0)]:
-            counts[i] += 1
+        counts = _global_counts(idx, scores, weight, probe.total)
+    checked = probe.check > 0 and sum(counts.values()) > 0
+    if checked:
+        if probe.split == "chunk":
+            wide = {i: math.ceil(probe.check * counts[i] - 1e-9) for i in idx}
+        else:
+            wide = _global_counts(idx, scores, weight, math.ceil(probe.check * probe.total - 1e-9))
     chunks = list(plan.chunks)
+    weights: list[tuple[float, ...] | None] = [None] * len(chunks)
     for i in idx:
-        picked = top_scored(scores[i], counts[i])
         reason = f"{chunks[i].reason}+{probe.split}"
+        if not checked:
+            picked = top_scored(scores[i], counts[i])
+            chunks[i] = replace(
+                chunks[i], recompute=picked, budget=len(picked), select="planned", reason=reason
+            )
+            continue
+        picked = top_scored(scores[i], wide[i])
+        if probe.check_score == "product":
+            weights[i] = tuple(weight[i] * scores[i][t] for t in picked)
+        else:
+            weights[i] = tuple(1.0 for _ in picked)
         chunks[i] = replace(
-            chunks[i], recompute=picked, budget=len(picked), select="planned", reason=reason
+            chunks[i],
+            recompute=picked,
+            budget=min(counts[i], len(picked)),
+            select="deviation",
+            reason=reason + "+check",
         )
-    return replace(plan, chunks=tuple(chunks))
+    if not checked:
+        return replace(plan, chunks=tuple(chunks))
+    total = None if probe.split == "chunk" else probe.total
+    check = DeviationCheck(probe.check_layer, total, tuple(weights))
+    return replace(plan, chunks=tuple(chunks), deviation=check)
