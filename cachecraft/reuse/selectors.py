@@ -65,7 +65,9 @@ def _global_counts(
     return counts
 
 
-def _weights(plan: RecomputePlan, idx: Sequence[int], att: dict[int, Sequence[float]]) -> dict:
+def _weights(
+    plan: RecomputePlan, idx: Sequence[int], att: dict[int, Sequence[float]]
+) -> dict[int, float]:
     """Per probed chunk, the multiplier of its tokens' scores under the plan's split."""
     probe = plan.probe
     assert probe is not None
