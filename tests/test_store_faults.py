@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from cachecraft.errors import StoreUnavailableError
 from cachecraft.model.loader import LoadedModel
 from cachecraft.server.launch import start_server
 from cachecraft.store.cli import chunks_command
+from cachecraft.store.base import OfferResult
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import INDEX, DiskTier
 from cachecraft.store.policy import VariantStats
@@ -80,6 +82,37 @@ def test_store_offer_survives_a_failing_disk(tmp_path: Path) -> None:
     assert store.load(v.variant_id) is not None
     assert list(tmp_path.glob(".*.tmp")) == [] and list(tmp_path.glob("*.safetensors")) == []
     store.check_integrity()
+    store.close()
+
+
+def test_concurrent_offers_each_get_their_own_write_error(tmp_path: Path) -> None:
+    """Two offers at once, one whose disk write fails: only that one reports write_error (the
+    store used to compare the tier's shared error counter before and after its own write, so
+    a write that succeeded while another failed was told it had failed)."""
+    store = TieredStore(StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1))
+    assert store.disk is not None
+    good, bad = make_variant("good", seed=1), make_variant("bad", seed=2)
+    in_write, release = threading.Event(), threading.Event()
+    real_put_file = store.disk._put_file
+
+    def paused_put_file(variant, *args):  # type: ignore[no-untyped-def]
+        if variant.variant_id == good.variant_id:
+            in_write.set()  # the good write has begun; hold it until the bad one failed
+            assert release.wait(60)
+        return real_put_file(variant, *args)
+
+    store.disk._put_file = paused_put_file  # type: ignore[method-assign]
+    results: dict[str, OfferResult] = {}
+    t = threading.Thread(target=lambda: results.setdefault("good", store.offer(good)))
+    t.start()
+    assert in_write.wait(60)
+    with writes_fail_past(64):
+        results["bad"] = store.offer(bad)
+    release.set()
+    t.join(60)
+    assert results["bad"].stored and "File too large" in str(results["bad"].write_error)
+    assert results["good"].stored and results["good"].write_error is None
+    assert good.variant_id in store.disk and bad.variant_id not in store.disk
     store.close()
 
 

@@ -5,7 +5,8 @@ SQLite write lock), checksums on every read and crash recovery. Several processe
 directory. It never chooses victims itself: the caller passes a `choose` function.
 
 Faults: a write that fails (disk full, unwritable) removes its temp file and reports "not
-stored" (`put` -> None, `last_write_error`), never raises; a directory that cannot be used
+stored" (`put` -> None, `last_write_error`; `write` returns that call's own error, so concurrent
+writers never read each other's), never raises; a directory that cannot be used
 raises StoreUnavailableError in one line; each file's safetensors header carries everything its
 index row holds, so a lost or stale index is rebuilt from the files (`reindex`, and on open for
 files the index does not know), never by deleting them. `read_only=True` opens an existing
@@ -61,6 +62,14 @@ class Recovery(NamedTuple):
     orphan_files: int
     rows_without_file: int
     adopted_files: int = 0
+
+
+class DiskWrite(NamedTuple):
+    """What one `DiskTier.write` did: the evicted ids (None: not stored) and, when the write
+    itself failed, why (`"OSError: ..."`)."""
+
+    evicted: list[str] | None
+    error: str | None = None
 
 
 class Reindex(NamedTuple):
@@ -351,21 +360,29 @@ class DiskTier:
         """Write the variant atomically, evicting what `choose(residents, need_bytes)` picks.
         Returns the evicted ids, or None if it was not stored (too big, `choose` refused, or
         the write failed: then `last_write_error` says why and no temp file is left)."""
+        return self.write(variant, stats, choose).evicted
+
+    def write(self, variant: Variant, stats: VariantStats, choose: Chooser) -> DiskWrite:
+        """`put`, also returning this call's own write error (None if it did not fail):
+        `last_write_error` is shared by every thread and may be another write's by the time
+        a caller reads it."""
         if self.read_only:
             raise StoreUnavailableError(f"{self.root} was opened read-only")
         tensors, header = codec.encode(variant, self.int8)
         data = st_save(tensors, metadata=header)
         if len(data) > self.capacity_bytes:
-            return None
+            return DiskWrite(None, None)
         vid = variant.variant_id
         tmp = self.root / f".{vid}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            return self._put_file(variant, stats, choose, tensors, header, data, tmp)
+            return DiskWrite(self._put_file(variant, stats, choose, tensors, header, data, tmp))
         except (OSError, sqlite3.Error) as e:
-            self.num_write_errors += 1
-            self.last_write_error = f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
+            with self._lock:
+                self.num_write_errors += 1
+                self.last_write_error = error
             logger.warning("variant %s not written to %s: %s", vid, self.root, e)
-            return None
+            return DiskWrite(None, error)
         finally:
             tmp.unlink(missing_ok=True)  # absent after a rename; a leftover after any failure
 

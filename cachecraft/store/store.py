@@ -173,10 +173,8 @@ class TieredStore:
             stored = self._place(variant)
         write_error = None
         if self.disk is not None:
-            errors_before = self.disk.num_write_errors
-            stored = self._disk_put(variant, st) or stored
-            if self.disk.num_write_errors > errors_before:
-                write_error = self.disk.last_write_error
+            on_disk, write_error = self._disk_write(variant, st)
+            stored = on_disk or stored
         if self.redis is not None:
             stored = self.redis.put(variant, st, _in_order) is not None or stored
         reason: RefusalReason | None = None
@@ -352,6 +350,10 @@ class TieredStore:
             self.tally.forget(variant_id)
 
     def _disk_put(self, variant: Variant, st: VariantStats) -> bool:
+        return self._disk_write(variant, st)[0]
+
+    def _disk_write(self, variant: Variant, st: VariantStats) -> tuple[bool, str | None]:
+        """Write through to disk: (stored, this write's own error or None)."""
         assert self.disk is not None
 
         def choose(residents: list[VariantStats], need: int) -> list[VariantStats] | None:
@@ -364,9 +366,9 @@ class TieredStore:
             ]
             return self.policy.victims(fresh, need, self._tick)
 
-        evicted = self.disk.put(variant, st, choose)
+        evicted, error = self.disk.write(variant, st, choose)
         if evicted is None:
-            return False
+            return False, error
         with self._lock:
             self._stats.evictions["disk:capacity"] += len(evicted)
             self.eviction_log.extend(("disk", v, "capacity") for v in evicted)
@@ -375,7 +377,7 @@ class TieredStore:
                 self._stats_by_id.pop(v, None)
         for v in gone:
             self.tally.forget(v)
-        return True
+        return True, None
 
     def _enforce_chunk_cap(self, st: VariantStats) -> bool:
         """Keep at most max_variants_per_chunk variants per chunk, the most valuable ones.
