@@ -23,8 +23,8 @@ from cachecraft.cli import main
 from cachecraft.errors import StoreUnavailableError
 from cachecraft.model.loader import LoadedModel
 from cachecraft.server.launch import start_server
-from cachecraft.store.cli import chunks_command
 from cachecraft.store.base import OfferResult
+from cachecraft.store.cli import chunks_command
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import INDEX, DiskTier
 from cachecraft.store.policy import VariantStats
