@@ -110,6 +110,7 @@ class _Guard:
     * refuses a body over `max_bytes` with 413 (by Content-Length, or while it streams in);
     * turns any exception a route let escape into a 500 JSON answer *without* re-raising, so
       the server keeps the keep-alive connection open (a re-raise makes uvicorn drop it);
+    * answers a request cancelled by a stopping server (past `shutdown_timeout_s`) with 503;
     * counts each HTTP response by route template and status."""
 
     def __init__(self, app: Any, metrics: ServerMetrics, max_bytes: int) -> None:
@@ -157,6 +158,13 @@ class _Guard:
         except _BodyTooLarge:
             if not started:
                 await reply(413, too_large, "invalid_request_error", "request_too_large")
+        except asyncio.CancelledError:
+            # The server is stopping and `shutdown_timeout_s` ran out: answer in OpenAI's shape
+            # (uvicorn would send a plain-text 500), then let the cancellation go on.
+            if not started:
+                message = "the server is shutting down; retry the request"
+                await reply(503, message, "server_error", "shutting_down")
+            raise
         except Exception as exc:  # noqa: BLE001 - the last line of defence, logged
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if not started:
