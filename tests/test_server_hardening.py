@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,6 +15,8 @@ from test_server_faults import CHAT, CTX, T, chat, openai_error, serving
 
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server.config import ServerConfig
+from cachecraft.server.launch import start_server
+from cachecraft.store.config import StoreConfig
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +42,39 @@ def test_a_request_cut_by_shutdown_gets_a_json_503(small: LoadedModel) -> None:
     client.join(T)
     err = openai_error(got["r"], 503)
     assert err["code"] == "shutting_down" and "shutting down" in err["message"]
+
+
+def test_a_restarted_server_lists_deletes_and_pins_what_it_stored(
+    small: LoadedModel, tmp_path: Path
+) -> None:
+    """The chunk registry lived in memory: after a restart on the same cache directory
+    GET /v1/chunks was empty, DELETE said 404 and pins were gone, though the files served."""
+    store = StoreConfig(cache_dir=str(tmp_path / "cache"), doorkeeper_threshold=1)
+    docs = [
+        {"id": "fr", "text": "Paris is the capital of France."},
+        {"id": "de", "text": "Berlin is the capital of Germany."},
+    ]
+    with start_server("full", loaded=small, store=store) as url:
+        r = httpx.post(url + "/v1/chunks", json={"documents": docs[:1], "pin": True}, timeout=T)
+        assert r.status_code == 200 and r.json()["data"][0]["pinned"], r.text
+        r = httpx.post(
+            url + "/v1/chunks",
+            json={"documents": docs[1:], "cache_namespace": "tenant"},
+            timeout=T,
+        )
+        assert r.status_code == 200, r.text
+        before = httpx.get(url + "/v1/chunks", timeout=T).json()
+        tenant = httpx.get(url + "/v1/chunks?cache_namespace=tenant", timeout=T).json()
+    assert [d["id"] for d in before["data"]] == ["fr"] and before["data"][0]["pinned"]
+    assert [d["id"] for d in tenant["data"]] == ["de"]
+    with start_server("full", loaded=small, store=store) as url:
+        after = httpx.get(url + "/v1/chunks", timeout=T).json()
+        assert after == before  # ids, keys, variants, the pin and the pinned bytes
+        key = httpx.get(url + "/v1/chunks?cache_namespace=tenant", timeout=T).json()
+        assert key == tenant
+        de = tenant["data"][0]["chunk_key"]
+        r = httpx.delete(f"{url}/v1/chunks/{de}?cache_namespace=tenant", timeout=T)
+        assert r.status_code == 200 and r.json()["num_variants"] == 1, r.text
+    with start_server("full", loaded=small, store=store) as url:  # the deletion stuck
+        assert httpx.get(url + "/v1/chunks?cache_namespace=tenant", timeout=T).json()["data"] == []
+        assert httpx.get(url + "/v1/chunks", timeout=T).json() == before

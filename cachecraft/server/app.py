@@ -185,14 +185,24 @@ def checked(value: str | None) -> str | None:
         raise ApiError(400, f"cache_namespace: {e}", "invalid_request_error") from None
 
 
-def create_app(engine: Engine, store: ChunkStore, config: ServerConfig | None = None) -> FastAPI:
+def create_app(
+    engine: Engine,
+    store: ChunkStore,
+    config: ServerConfig | None = None,
+    registry: chunks.ChunkRegistry | None = None,
+) -> FastAPI:
+    """`registry`: the chunk registry (`chunks.open_registry`: persistent with a disk tier;
+    default in memory); the pins it records are restored into `store` here."""
     config = config or ServerConfig()
     # redirect_slashes off: `DELETE /v1/chunks/` is a 404/405, never a 307 to another route
     app = FastAPI(title="cachecraft", version="0.1.0", redirect_slashes=False)
     state = app.state
     state.engine, state.config = engine, config
     state.metrics = ServerMetrics(engine, store)
-    state.registry = chunks.ChunkRegistry()
+    state.registry = registry or chunks.ChunkRegistry()
+    num_pins = chunks.restore_pins(store, state.registry)
+    if num_pins:
+        log.info("restored %d pinned chunk-caches", num_pins)
     # Tokenization (CPU work proportional to the text) runs here, never on the step thread;
     # one worker: HF fast tokenizers are not meant to be shared across threads.
     state.tokenize = ThreadPoolExecutor(1, thread_name_prefix="cachecraft-tokenize")
