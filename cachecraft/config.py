@@ -5,7 +5,8 @@ the model is chosen by path (`load_model`). Environment variables: env.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Literal
 
 Mode = Literal[
@@ -78,3 +79,41 @@ class ReuseConfig:
     cacheblend_check_layer: int = 1
     epic_k: int = 32
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Types and ranges, so a bad config file or keyword is one clear ValueError at
+        start-up instead of every request failing (the choices of the Literal fields and the
+        remaining ranges: `reuse.planner.check_config`)."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), str(f.type)
+            if value is None and "None" in kind:
+                continue
+            if kind.startswith("float") and (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+            if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
+            if kind == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be true or false, got {value!r}")
+            if kind.startswith("Literal") and not isinstance(value, str):
+                raise ValueError(f"{f.name} must be a string, got {value!r}")
+        if self.alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        if not 0.0 <= self.min_fix <= self.max_fix <= 1.0:
+            raise ValueError(
+                f"min_fix and max_fix must satisfy 0 <= min_fix <= max_fix <= 1, got "
+                f"{self.min_fix} and {self.max_fix}"
+            )
+        for name in ("novel_prefix_min_fix", "focus_threshold", "cacheblend_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in (
+            "et_layer", "probe_first_layer", "probe_last_layer", "probe_check_layer",
+            "cacheblend_check_layer", "epic_k",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")

@@ -22,6 +22,7 @@ from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.reuse.plan import RecomputePlan
+from cachecraft.reuse.planner import check_config
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
@@ -83,7 +84,12 @@ def reuse_config(**fields: object) -> ReuseConfig:
     unknown = sorted(set(fields) - known)
     if unknown:
         raise BadRequestError(f"unknown option(s) {unknown}; known: {sorted(known)}")
-    return ReuseConfig(**fields)  # type: ignore[arg-type]
+    try:
+        config = ReuseConfig(**fields)  # type: ignore[arg-type]
+        check_config(config)
+    except ValueError as e:
+        raise BadRequestError(f"bad reuse setting: {e}") from None
+    return config
 
 
 class LLM:

@@ -67,3 +67,55 @@ def test_only_env_py_reads_the_environment() -> None:
         if reading.search(p.read_text(encoding="utf-8"))
     )
     assert readers == ["env.py"]  # (child processes may be handed the whole environment)
+
+
+@pytest.mark.parametrize(
+    ("reuse", "needle"),
+    [
+        ({"alpha": "x"}, "alpha must be a finite number"),
+        ({"alpha": -3}, "alpha must be >= 0"),
+        ({"probe_split": "bogus"}, "probe_split must be"),
+        ({"min_fix": 0.9, "max_fix": 0.1}, "min_fix and max_fix"),
+        ({"early_termination": "no"}, "early_termination must be true or false"),
+        ({"epic_k": 2.5}, "epic_k must be an integer"),
+    ],
+)
+def test_a_bad_value_in_the_config_file_stops_serve_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, reuse: dict, needle: str
+) -> None:
+    """These used to start a server (every request then planned with the bad value)."""
+    from cachecraft.cli import main
+
+    path = tmp_path / "cachecraft.json"
+    path.write_text(json.dumps({"reuse": reuse}))
+    assert main(["serve", "--port", "0", "--cache-dir", "", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: bad reuse setting:") and needle in err, err
+    assert "Traceback" not in err
+
+
+def test_a_negative_alpha_flag_and_a_bad_llm_keyword_are_refused() -> None:
+    from cachecraft.cli import main
+    from cachecraft.llm import reuse_config
+
+    assert main(["serve", "--port", "0", "--cache-dir", "", "--alpha", "-1"]) == 2
+    with pytest.raises(BadRequestError, match="cacheblend_ratio must be in"):
+        reuse_config(cacheblend_ratio=1.5)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--port", "99999"], ["--port", "-5"], ["--port", "abc"], ["--log-level", "bogus"]],
+)
+def test_a_bad_port_or_log_level_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """A port out of range used to end in an OverflowError traceback (exit 1) after loading
+    the model; an unknown log level in a ValueError traceback."""
+    from cachecraft.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--cache-dir", "", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err

@@ -16,12 +16,26 @@ from cachecraft.errors import BadRequestError, StoreUnavailableError
 from cachecraft.server.config import ServerConfig
 from cachecraft.store.config import StoreConfig
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+"""uvicorn's levels (`trace` is uvicorn's own, below debug)."""
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (a bad one is a usage error, exit 2)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {port}")
+    return port
+
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     engine, server, store = EngineConfig(), ServerConfig(), StoreConfig()
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: a free port (logged)")
+    p.add_argument("--port", type=port_number, default=8000, help="0: a free port (logged)")
     p.add_argument("--model", default=None, help="HF dir or GGUF file (default: bundled)")
     p.add_argument("--mode", default=engine.mode, choices=MODES, help="default reuse mode")
     p.add_argument(
@@ -117,7 +131,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument("--config", default=None, help="calibration file (default ./cachecraft.json)")
     p.add_argument("--alpha", type=float, default=None, help="override the CFO alpha")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     p.set_defaults(func=main_serve)
     return p
 
