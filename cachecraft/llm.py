@@ -141,10 +141,18 @@ class LLM:
         """Answer the requests together, as the server would (a request sees the variants of
         those whose prefill finished before its own started). budgets[i] / teacher_force[i]
         go with requests[i]; outputs come back in request order."""
+        if not isinstance(requests, RagRequest | list | tuple):
+            raise BadRequestError(
+                f"expected a RagRequest or a list of them, got {type(requests).__name__}"
+            )
         items = [requests] if isinstance(requests, RagRequest) else list(requests)
         for r in items:
             if not isinstance(r, RagRequest):
                 raise BadRequestError(f"expected RagRequest, got {type(r).__name__}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise BadRequestError(
+                f"sampling must be a SamplingParams, got {type(sampling).__name__}"
+            )
         sampling = sampling or SamplingParams()
         subs = []
         for i, request in enumerate(items):

@@ -9,6 +9,16 @@ from cachecraft.errors import BadRequestError
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using the documents."
 
 
+def _check_unicode(what: str, text: str) -> None:
+    """A lone surrogate ("\\ud800") cannot be encoded, so no tokenizer can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequestError(
+            f"{what} is not valid Unicode (a lone surrogate at position {e.start})"
+        ) from None
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One retrieved passage. `id` is a label for reports, never the cache key."""
@@ -23,6 +33,7 @@ class Chunk:
             raise BadRequestError("chunk text is empty")
         if self.id is not None and not isinstance(self.id, str):
             raise BadRequestError(f"chunk id must be a string, got {type(self.id).__name__}")
+        _check_unicode("chunk text", self.text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +61,10 @@ class RagRequest:
             raise BadRequestError("system must be a string")
         if not isinstance(namespace, str) or not namespace:
             raise BadRequestError("namespace must be a non-empty string")
+        _check_unicode("the question", question)
+        if system is not None:
+            _check_unicode("system", system)
+        _check_unicode("namespace", namespace)
         object.__setattr__(self, "question", question)
         object.__setattr__(self, "chunks", items)
         object.__setattr__(self, "system", DEFAULT_SYSTEM if system is None else system)

@@ -91,3 +91,36 @@ def test_a_request_failing_in_the_engine_raises_after_the_others_finished(tiny_d
     with pytest.raises(ValueError, match="budgets"):  # planning fails inside the engine
         llm.generate([_req([0]), _req([1])], greedy, "epic", budgets=[None, [1, 2, 3]])
     assert not llm.engine.has_work() and llm.engine.num_running == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: RagRequest("\ud800?", []), "the question is not valid Unicode"),
+        (lambda: Chunk("a \udfff b"), "chunk text is not valid Unicode"),
+        (lambda: RagRequest("q", [], system="\ud83d"), "system is not valid Unicode"),
+    ],
+)
+def test_lone_surrogates_are_refused_before_the_tokenizer(make: object, needle: str) -> None:
+    """The server refused them with a 400; the Python API let them reach the tokenizer, which
+    raised `TypeError: TextEncodeInput must be Union[...]` from inside generate."""
+    from cachecraft.errors import BadRequestError
+
+    with pytest.raises(BadRequestError, match=needle):
+        make()  # type: ignore[operator]
+
+
+def test_generate_names_a_wrong_argument_type(tiny_dir: Path) -> None:
+    """A dict for sampling failed inside the engine's admission (AttributeError, and a logged
+    'request failed'); None or a number for the requests raised 'not iterable'."""
+    from cachecraft.errors import BadRequestError
+
+    llm = LLM(str(tiny_dir))
+    with pytest.raises(BadRequestError, match="sampling must be a SamplingParams"):
+        llm.generate(_req([0]), {"max_tokens": 2})  # type: ignore[arg-type]
+    for bad in (None, 5, "a question"):
+        with pytest.raises(BadRequestError, match="expected"):
+            llm.generate(bad)  # type: ignore[arg-type]
+    assert not llm.engine.has_work()
+    out = llm.generate(_req([0]), SamplingParams(max_tokens=2, ignore_eos=True), "full")
+    assert len(out[0].token_ids) == 2
