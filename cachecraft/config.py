@@ -107,7 +107,9 @@ class ReuseConfig:
                 f"min_fix and max_fix must satisfy 0 <= min_fix <= max_fix <= 1, got "
                 f"{self.min_fix} and {self.max_fix}"
             )
-        for name in ("novel_prefix_min_fix", "focus_threshold", "cacheblend_ratio"):
+        if self.focus_threshold < 0:  # above 1: every chunk is unfocused (tests use it)
+            raise ValueError(f"focus_threshold must be >= 0, got {self.focus_threshold}")
+        for name in ("novel_prefix_min_fix", "cacheblend_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in (

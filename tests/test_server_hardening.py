@@ -78,3 +78,28 @@ def test_a_restarted_server_lists_deletes_and_pins_what_it_stored(
     with start_server("full", loaded=small, store=store) as url:  # the deletion stuck
         assert httpx.get(url + "/v1/chunks?cache_namespace=tenant", timeout=T).json()["data"] == []
         assert httpx.get(url + "/v1/chunks", timeout=T).json() == before
+
+
+def test_models_retrieve_and_a_form_encoded_body(small: LoadedModel) -> None:
+    """The official client's `models.retrieve` hit a 404 "no route"; `curl -d '{...}'` (form
+    content type) was told "body: Input should be a valid dictionary", not what to change."""
+    from openai import NotFoundError, OpenAI
+
+    with serving(small, ServerConfig()) as s:
+        client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        served = client.models.list().data[0].id
+        assert client.models.retrieve(served).id == served
+        assert client.models.retrieve("cachecraft").id == served  # the alias
+        try:
+            client.models.retrieve("gpt-4")
+            raise AssertionError("an unknown model was found")
+        except NotFoundError as e:
+            assert e.code == "model_not_found"
+        body = '{"model": "cachecraft", "messages": [{"role": "user", "content": "hi"}]}'
+        form = {"content-type": "application/x-www-form-urlencoded"}
+        r = httpx.post(s.url + CHAT, content=body, headers=form, timeout=T)
+        err = openai_error(r, 400)
+        assert "Content-Type: application/json" in err["message"]
+        assert "x-www-form-urlencoded" in err["message"]
+        ok = httpx.post(s.url + CHAT, json=chat(), timeout=T)  # the same server still answers
+        assert ok.status_code == 200, ok.text

@@ -1,12 +1,13 @@
 """create_app(engine, store, config): the OpenAI-compatible FastAPI app, kept thin. It uses the
 store it is given (the one the engine's runner was built with) and never reaches into the engine.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/chunks (POST, GET, DELETE),
-/health, /metrics. Every error, the framework's included, has OpenAI's shape: 400 bad input
-(unsupported fields named), 401 bad key, 404 unknown model, chunk or route, 405 wrong method,
-413 body or text over a cap, 429 queue full (Retry-After), 503 engine stopped, 500 anything
-else (and the connection stays open). Prompts are tokenized on a worker thread, never on the
-engine's step thread; /health answers 503 when the step thread is dead or stuck.
+Routes: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{model}), /v1/chunks
+(POST, GET, DELETE), /health, /metrics. Every error, the framework's included, has OpenAI's
+shape: 400 bad input (unsupported fields named), 401 bad key, 404 unknown model, chunk or route,
+405 wrong method, 413 body or text over a cap, 429 queue full (Retry-After), 503 engine stopped
+or server shutting down, 500 anything else (and the connection stays open). Prompts are
+tokenized on a worker thread, never on the engine's step thread; /health answers 503 when the
+step thread is dead or stuck.
 """
 
 from __future__ import annotations
@@ -223,8 +224,15 @@ def create_app(
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
+        content_type = request.headers.get("content-type", "")
+        if param is None and message.startswith("body:") and "json" not in content_type:
+            # FastAPI parses JSON only when told so: `curl -d` sends a form content type
+            message = (
+                "the body must be a JSON object sent with Content-Type: application/json "
+                f"(got {content_type or 'no content type'})"
+            )
         return err(400, message, "invalid_request_error", None, param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -384,16 +392,30 @@ def create_app(
     ) -> Response:
         return await generate(request, body, ns)
 
-    @app.get("/v1/models")
-    async def models(_: str = Depends(namespace)) -> dict[str, Any]:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": loaded.name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "cachecraft",
             "max_model_len": max_ctx,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models(_: str = Depends(namespace)) -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str, _: str = Depends(namespace)) -> dict[str, Any]:
+        """OpenAI's `models.retrieve`: the served model under its name or an alias."""
+        if model not in model_names:
+            raise ApiError(
+                404,
+                f"model {model!r} not found; this server serves {loaded.name!r}",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        return model_card()
 
     # ---- chunks -----------------------------------------------------------------------------
     @app.post("/v1/chunks")
