@@ -103,3 +103,22 @@ def test_models_retrieve_and_a_form_encoded_body(small: LoadedModel) -> None:
         assert "x-www-form-urlencoded" in err["message"]
         ok = httpx.post(s.url + CHAT, json=chat(), timeout=T)  # the same server still answers
         assert ok.status_code == 200, ok.text
+
+
+def test_a_corrupt_registry_is_set_aside_and_registering_goes_on(
+    small: LoadedModel, tmp_path: Path
+) -> None:
+    store = StoreConfig(cache_dir=str(tmp_path / "cache"), doorkeeper_threshold=1)
+    doc = {"documents": [{"id": "fr", "text": "Paris is the capital of France."}]}
+    with start_server("full", loaded=small, store=store) as url:
+        assert httpx.post(url + "/v1/chunks", json=doc, timeout=T).status_code == 200
+    registry = tmp_path / "cache" / "registry.sqlite"
+    for part in registry.parent.glob("registry.sqlite-*"):
+        part.unlink()
+    registry.write_bytes(b"not a database" * 100)
+    with start_server("full", loaded=small, store=store) as url:
+        assert httpx.get(url + "/v1/chunks", timeout=T).json()["data"] == []  # its rows are lost
+        assert httpx.post(url + "/v1/chunks", json=doc, timeout=T).status_code == 200
+    with start_server("full", loaded=small, store=store) as url:  # registered again, and kept
+        assert [d["id"] for d in httpx.get(url + "/v1/chunks", timeout=T).json()["data"]] == ["fr"]
+    assert len(list(registry.parent.glob("registry.sqlite.corrupt-*"))) == 1

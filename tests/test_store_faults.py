@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from store_helpers import make_variant
 
 from cachecraft.cli import main
@@ -216,3 +217,29 @@ def test_reindex_rebuilds_stale_rows_and_keeps_unreadable_files(tmp_path: Path) 
     assert junk.exists()
     assert all(tier.get(v.variant_id) is not None for v in vs)
     tier.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_corrupt_index_is_set_aside_and_rebuilt(tmp_path: Path, damage: str) -> None:
+    """A garbage or half-truncated index.sqlite used to stop the store from opening at all
+    ("cannot use the chunk-cache directory: file is not a database"), though every file's
+    header carries its row."""
+    variants = [make_variant(f"c{i}", seed=i) for i in range(3)]
+    store = TieredStore(StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1))
+    assert all(store.offer(v).stored for v in variants)
+    store.close()
+    index = tmp_path / INDEX
+    for wal in tmp_path.glob(INDEX + "-*"):
+        wal.unlink()
+    data = index.read_bytes()
+    damaged = b"\x13 not sqlite" * 64 if damage == "garbage" else data[: len(data) // 2]
+    index.write_bytes(damaged)
+    store = TieredStore(StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1))
+    for v in variants:
+        got = store.load(v.variant_id)
+        assert got is not None and torch.equal(got.keys, v.keys)
+    assert store.offer(make_variant("new", seed=9)).stored
+    store.check_integrity()
+    store.close()
+    (aside,) = tmp_path.glob(INDEX + ".corrupt-*")  # kept for a post-mortem, not deleted
+    assert aside.read_bytes() == damaged

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,29 @@ class ChunkRegistry:
 
     def _open(self, path: Path) -> None:
         try:
-            db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._load(path)
+        except sqlite3.Error as e:
+            code = getattr(e, "sqlite_errorcode", None) or 0
+            if code & 0xFF not in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+                log.warning("chunk registry %s unusable (%s): kept in memory only", path, e)
+                return
+            # a damaged file: set it aside (never deleted) and keep registering from now on
+            aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+            log.warning("chunk registry %s is corrupt (%s): moved to %s", path, e, aside.name)
+            self._keys.clear()
+            self._pins.clear()
+            try:
+                for suffix in ("", "-wal", "-shm"):
+                    part = path.with_name(path.name + suffix)
+                    if part.exists():
+                        os.replace(part, aside.with_name(aside.name + suffix))
+                self._load(path)
+            except (OSError, sqlite3.Error) as e2:
+                log.warning("chunk registry %s unusable (%s): kept in memory only", path, e2)
+
+    def _load(self, path: Path) -> None:
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
             db.execute("PRAGMA busy_timeout=5000")
             db.execute("PRAGMA journal_mode=WAL")
             # no fsync per commit (a write can run on the event loop): WAL at NORMAL survives
@@ -72,9 +96,9 @@ class ChunkRegistry:
                 self._keys.setdefault(ns, {})[key] = (label, int(n))
             for vid, ns, key in db.execute("SELECT * FROM pins"):
                 self._pins[vid] = (ns, key)
-        except sqlite3.Error as e:
-            log.warning("chunk registry %s unusable (%s): kept in memory only", path, e)
-            return
+        except BaseException:
+            db.close()
+            raise
         self._db = db
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> None:

@@ -6,11 +6,13 @@ directory. It never chooses victims itself: the caller passes a `choose` functio
 
 Faults: a write that fails (disk full, unwritable) removes its temp file and reports "not
 stored" (`put` -> None, `last_write_error`; `write` returns that call's own error, so concurrent
-writers never read each other's), never raises; a directory that cannot be used
-raises StoreUnavailableError in one line; each file's safetensors header carries everything its
-index row holds, so a lost or stale index is rebuilt from the files (`reindex`, and on open for
-files the index does not know), never by deleting them. `read_only=True` opens an existing
-index without creating, recovering or checkpointing anything (the CLI's ls / stats).
+writers never read each other's), never raises; a directory that cannot be used raises
+StoreUnavailableError in one line; each file's safetensors header carries everything its index
+row holds, so a lost or stale index is rebuilt from the files (`reindex`, and on open for files
+the index does not know), never by deleting them; a corrupt index (not a database, malformed)
+is moved aside as `index.sqlite.corrupt-<time>` on open and rebuilt the same way.
+`read_only=True` opens an existing index without creating, recovering or checkpointing
+anything (the CLI's ls / stats).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -83,6 +86,16 @@ class Reindex(NamedTuple):
     dropped_rows: int
 
 
+class _CorruptIndex(Exception):
+    """`PRAGMA quick_check` found the index damaged."""
+
+
+def _is_corruption(error: sqlite3.DatabaseError) -> bool:
+    """SQLITE_CORRUPT or SQLITE_NOTADB (primary codes): the file itself is damaged."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -138,13 +151,36 @@ class DiskTier:
         self.root.mkdir(parents=True, exist_ok=True)
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise PermissionError(f"the directory is not writable ({self.root})")
+        try:
+            return self._open_index(path)
+        except (sqlite3.DatabaseError, _CorruptIndex) as e:
+            if isinstance(e, sqlite3.DatabaseError) and not _is_corruption(e):
+                raise  # locked, read-only, I/O: not ours to repair
+            # Every variant file's header carries its row: set the broken index aside (never
+            # delete it) and start an empty one, which `recover` fills from the files.
+            aside = path.with_name(f"{INDEX}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+            logger.warning("index %s is corrupt (%s): moved to %s, rebuilt", path, e, aside.name)
+            for suffix in ("", "-wal", "-shm"):
+                part = path.with_name(INDEX + suffix)
+                if part.exists():
+                    os.replace(part, aside.with_name(aside.name + suffix))
+            return self._open_index(path)
+
+    def _open_index(self, path: Path) -> sqlite3.Connection:
         db = sqlite3.connect(path, timeout=30.0, check_same_thread=False, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA busy_timeout=30000")
-        db.execute("PRAGMA synchronous=NORMAL")
-        for stmt in SCHEMA.strip().split(";"):
-            if stmt.strip():
-                db.execute(stmt)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA busy_timeout=30000")
+            db.execute("PRAGMA synchronous=NORMAL")
+            for stmt in SCHEMA.strip().split(";"):
+                if stmt.strip():
+                    db.execute(stmt)
+            check = db.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise _CorruptIndex(check)
+        except BaseException:
+            db.close()
+            raise
         return db
 
     # -- transactions ---------------------------------------------------------------------
