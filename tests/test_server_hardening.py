@@ -122,3 +122,26 @@ def test_a_corrupt_registry_is_set_aside_and_registering_goes_on(
     with start_server("full", loaded=small, store=store) as url:  # registered again, and kept
         assert [d["id"] for d in httpx.get(url + "/v1/chunks", timeout=T).json()["data"]] == ["fr"]
     assert len(list(registry.parent.glob("registry.sqlite.corrupt-*"))) == 1
+
+
+def test_nullable_fields_and_parallel_tool_calls_pass(small: LoadedModel) -> None:
+    """OpenAI's schema makes `stream` nullable and defaults `parallel_tool_calls` to true;
+    `"stream": null` was a 400 ("Input should be a valid boolean") on both routes, and so were
+    `parallel_tool_calls: true` and null for our own `documents` / `ignore_eos`."""
+    with serving(small, ServerConfig()) as s:
+        for extra in (
+            {"stream": None},
+            {"parallel_tool_calls": True},
+            {"parallel_tool_calls": False},
+            {"documents": None, "ignore_eos": None},
+        ):
+            r = httpx.post(s.url + CHAT, json=chat(**extra), timeout=T)
+            assert r.status_code == 200 and r.json()["object"] == "chat.completion", (extra, r.text)
+        body = {"model": "cachecraft", "prompt": "hi", "max_tokens": 2, "stream": None}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=T)
+        assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+        err = openai_error(httpx.post(s.url + CHAT, json=chat(stream="yes"), timeout=T), 400)
+        assert err["param"] == "stream"  # a wrong type is still refused
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        r = httpx.post(s.url + CHAT, json=chat(tools=tools, parallel_tool_calls=True), timeout=T)
+        assert openai_error(r, 400)["param"] == "tools"

@@ -93,6 +93,14 @@ class _Generation(_Lenient):
     ignore_eos: StrictBool = False
     stop: StopStr | list[StopStr] | None = Field(default=None, max_length=4)
 
+    @field_validator("stream", "ignore_eos", "documents", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: Any) -> Any:
+        """OpenAI's schema makes `stream` nullable (null: false); our extensions do the same."""
+        if v is None:
+            return [] if info.field_name == "documents" else False
+        return v
+
     @field_validator("temperature")
     @classmethod
     def _check_temperature(cls, v: float | None) -> float | None:
@@ -141,7 +149,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None, True, False),  # only means something with `tools`
     "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
