@@ -189,7 +189,7 @@ BAD = [
     ('{"model": "cachecraft"}', 400, "messages"),
     ('{"model": "cachecraft", "messages": [{"role": "user", "content": 3}]}', 400, "content"),
     ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "max_tokens": "9"}', 400, "max_tokens"),
-    ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "n": 2}', 400, "n"),
+    ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "n": 9}', 400, "n"),
     ('{"model": "nope", "messages": [{"role": "user", "content": "q"}]}', 404, "nope"),
     ('{"model": "cachecraft", "messages": [{"role": "user", "content": " "}]}', 400, "question"),
     ('{"model": "cachecraft", "messages": [{"role": "user", "content": "q"}], "cachecraft_mode": "x"}', 400, "cachecraft_mode"),

@@ -145,3 +145,65 @@ def test_nullable_fields_and_parallel_tool_calls_pass(small: LoadedModel) -> Non
         tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         r = httpx.post(s.url + CHAT, json=chat(tools=tools, parallel_tool_calls=True), timeout=T)
         assert openai_error(r, 400)["param"] == "tools"
+
+
+def test_n_choices_streamed_and_not(small: LoadedModel) -> None:
+    """`n` was refused above 1 ("n: Input should be less than or equal to 1"): the official
+    client's n=2 now gets two choices, streamed or not, each with its index."""
+    from openai import OpenAI
+
+    with serving(small, ServerConfig()) as s:
+        client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": "Name a colour."}]
+        kw = {
+            "model": "cachecraft",
+            "messages": msgs,
+            "max_tokens": 5,
+            "extra_body": {"ignore_eos": True},
+        }
+        one = client.chat.completions.create(**kw)
+        greedy = client.chat.completions.create(n=3, **kw)
+        assert [c.index for c in greedy.choices] == [0, 1, 2]
+        assert {c.message.content for c in greedy.choices} == {one.choices[0].message.content}
+        assert greedy.usage.completion_tokens == 15
+        assert greedy.usage.prompt_tokens == one.usage.prompt_tokens
+        seeded = client.chat.completions.create(n=2, temperature=1.5, seed=7, **kw)
+        again = client.chat.completions.create(n=2, temperature=1.5, seed=7, **kw)
+        assert [c.message.content for c in seeded.choices] == [
+            c.message.content for c in again.choices
+        ]
+        texts = ["", ""]
+        finished = [None, None]
+        stream = client.chat.completions.create(
+            n=2, temperature=1.5, seed=7, stream=True, stream_options={"include_usage": True}, **kw
+        )
+        usage = None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                finished[c.index] = c.finish_reason or finished[c.index]
+        assert texts == [c.message.content for c in seeded.choices]
+        assert finished == ["length", "length"] and usage is not None
+        assert usage.completion_tokens == 10
+        comp = client.completions.create(model="cachecraft", prompt="Hi", max_tokens=3, n=2)
+        assert [c.index for c in comp.choices] == [0, 1]
+        assert s.engine.num_running == 0 and s.engine.num_waiting == 0
+
+
+def test_a_client_leaving_an_n_stream_frees_every_choice(small: LoadedModel) -> None:
+    body = chat(n=3, max_tokens=400, ignore_eos=True, stream=True)
+    with serving(small, ServerConfig()) as s:
+        with httpx.stream("POST", s.url + CHAT, json=body, timeout=T) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 8:
+                    break  # leave mid-stream
+        deadline = time.monotonic() + T
+        while s.engine.num_running + s.engine.num_waiting and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.engine.num_running == 0 and s.engine.num_waiting == 0
+        metrics = httpx.get(s.url + "/metrics", timeout=T).text
+        assert "cachecraft_requests_aborted_total 3.0" in metrics  # each choice freed early
+        assert httpx.post(s.url + CHAT, json=chat(), timeout=T).status_code == 200

@@ -31,7 +31,13 @@ from cachecraft.engine.scheduler import QueueFull
 from cachecraft.errors import CachecraftError
 from cachecraft.server import chunks
 from cachecraft.server.config import ServerConfig
-from cachecraft.server.generation import Generation, respond, sampling_of, to_rag
+from cachecraft.server.generation import (
+    Generation,
+    choice_sampling,
+    respond,
+    sampling_of,
+    to_rag,
+)
 from cachecraft.server.metrics import ServerMetrics
 from cachecraft.server.protocol import (
     ChatCompletionRequest,
@@ -369,16 +375,22 @@ def create_app(
         sampling = sampling_of(body, config)
         layout = await tokenized(rag)
         loop = asyncio.get_running_loop()
-        handle = engine.submit(rag, sampling, mode, loop=loop, layout=layout)
         chat = isinstance(body, ChatCompletionRequest)
-        gen = Generation(state, handle, chat, body.model, ns, sampling.stop)
-        try:
-            await gen.planned()
+        gens: list[Generation] = []
+        try:  # one engine request per choice (OpenAI's `n`); all planned, or none kept
+            for i in range(body.n or 1):
+                handle = engine.submit(
+                    rag, choice_sampling(sampling, i), mode, loop=loop, layout=layout
+                )
+                gens.append(Generation(state, handle, chat, body.model, ns, sampling.stop, i))
+            for gen in gens:
+                await gen.planned()
         except BaseException:
-            handle.abort()
+            for gen in gens:
+                gen.handle.abort()
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, gen, body.stream, include_usage)
+        return await respond(request, gens, body.stream, include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(

@@ -7,6 +7,7 @@ non-streaming client disconnected while waiting).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -23,6 +24,7 @@ from cachecraft.engine.text import TextStream
 from cachecraft.errors import BadRequestError, CachecraftError
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.server.protocol import (
+    SEED_MAX,
     ChatCompletionRequest,
     CompletionRequest,
     Document,
@@ -70,6 +72,15 @@ def sampling_of(body: ChatCompletionRequest | CompletionRequest, defaults: Any) 
     )
 
 
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of `n`: the request's seed plus the index (so seeded choices differ and
+    repeat), the same settings otherwise; greedy choices are all the same answer."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    seed = sampling.seed + index if sampling.seed + index <= SEED_MAX else sampling.seed - index
+    return dataclasses.replace(sampling, seed=seed)
+
+
 class Generation:
     """One request in flight: its handle and what it produced so far."""
 
@@ -81,8 +92,10 @@ class Generation:
         model: str,
         namespace: str,
         stops: tuple[str, ...] = (),
+        index: int = 0,
     ) -> None:
         self.state = app_state
+        self.index = index
         self.namespace = namespace
         self.handle = handle
         self.chat = chat
@@ -141,13 +154,14 @@ class Generation:
         return usage(self.num_prompt_tokens, self.num_output, report)
 
     def choice(self, text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+        i = self.index
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
         if delta:
             content = {} if text is None else {"content": text}
-            return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "delta": content, "logprobs": None, "finish_reason": finish}
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
 
     def envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
@@ -162,24 +176,48 @@ class Generation:
         }
 
 
-async def respond(request: Request, gen: Generation, stream: bool, include_usage: bool):
+def total_usage(gens: list[Generation]) -> dict[str, Any]:
+    """One prompt, `n` completions: OpenAI counts the prompt once and every choice's tokens;
+    the reuse report is the first choice's."""
+    out = gens[0].usage()
+    num_output = sum(g.num_output for g in gens)
+    out["completion_tokens"] = num_output
+    out["total_tokens"] = out["prompt_tokens"] + num_output
+    return out
+
+
+def abort_all(gens: list[Generation]) -> None:
+    """Free the engine slots of the choices still running (client gone, or a sibling failed)."""
+    for g in gens:
+        if not g.handle.is_done:
+            g.handle.abort()
+            g.state.metrics.aborted.inc()
+
+
+async def respond(request: Request, gens: list[Generation], stream: bool, include_usage: bool):
+    """The answer of one request with `len(gens)` choices (OpenAI's `n`)."""
     if stream:
-        return StreamingResponse(_sse(gen, include_usage), media_type="text/event-stream")
-    task = asyncio.ensure_future(_collect(gen))
+        return StreamingResponse(_sse(gens, include_usage), media_type="text/event-stream")
+    tasks = [asyncio.ensure_future(_collect(g)) for g in gens]
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                gen.handle.abort()
-                gen.state.metrics.aborted.inc()
+        while not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+            if any(t.done() and t.exception() is not None for t in tasks):
+                break
+            if not all(t.done() for t in tasks) and await request.is_disconnected():
+                abort_all(gens)
                 return JSONResponse({}, status_code=499)
-        text = task.result()
+        texts = [t.result() for t in tasks]  # the first failure, if any, is the answer
     finally:
-        if not task.done():
-            task.cancel()
-    body = gen.envelope([gen.choice(text, gen.finish_reason, delta=False)], stream=False)
-    body["usage"] = gen.usage()
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        abort_all(gens)
+    choices = [
+        g.choice(text, g.finish_reason, delta=False) for g, text in zip(gens, texts, strict=True)
+    ]
+    body = gens[0].envelope(choices, stream=False)
+    body["usage"] = total_usage(gens)
     return JSONResponse(body)
 
 
@@ -189,30 +227,49 @@ async def _collect(gen: Generation) -> str:
     return gen.text.final_text()
 
 
-async def _sse(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
+async def _pump(gen: Generation, out: asyncio.Queue[tuple[Generation, Any]]) -> None:
+    """Feed one choice's deltas into the shared queue, then None (its end) or its error."""
+    try:
+        async for delta in gen.deltas():
+            await out.put((gen, delta))
+        await out.put((gen, None))
+    except Exception as e:  # noqa: BLE001 - handed to the stream, which reports it in-band
+        await out.put((gen, e))
+
+
+async def _sse(gens: list[Generation], include_usage: bool) -> AsyncIterator[str]:
     def event(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
+    head = gens[0]
+    queue: asyncio.Queue[tuple[Generation, Any]] = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(g, queue)) for g in gens]
     try:
-        if gen.chat:
-            first = gen.choice(None, None, delta=True)
-            first["delta"] = {"role": "assistant", "content": ""}
-            yield event(gen.envelope([first], stream=True))
-        async for delta in gen.deltas():
-            yield event(gen.envelope([gen.choice(delta, None, delta=True)], stream=True))
-        last = gen.envelope(
-            [gen.choice("" if not gen.chat else None, gen.finish_reason, True)], True
-        )
+        if head.chat:
+            for g in gens:
+                first = g.choice(None, None, delta=True)
+                first["delta"] = {"role": "assistant", "content": ""}
+                yield event(head.envelope([first], stream=True))
+        running = len(gens)
+        while running:
+            g, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is not None:
+                yield event(head.envelope([g.choice(item, None, delta=True)], stream=True))
+                continue
+            running -= 1
+            done = g.choice("" if not g.chat else None, g.finish_reason, delta=True)
+            yield event(head.envelope([done], stream=True))
         if include_usage:
+            last = head.envelope([], stream=True)
+            last["usage"] = total_usage(gens)
             yield event(last)
-            last = gen.envelope([], stream=True)
-            last["usage"] = gen.usage()
-        yield event(last)
         yield "data: [DONE]\n\n"
     except Exception as e:  # headers are gone: report in-band, as OpenAI does
         type_ = "invalid_request_error" if isinstance(e, CachecraftError) else "server_error"
         yield event(error_body(f"{type(e).__name__}: {e}", type_))
     finally:
-        if not gen.handle.is_done:  # client went away mid-stream
-            gen.handle.abort()
-            gen.state.metrics.aborted.inc()
+        for p in pumps:
+            p.cancel()
+        abort_all(gens)  # client went away mid-stream, or a choice failed

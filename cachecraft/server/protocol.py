@@ -74,6 +74,7 @@ class StreamOptions(_Lenient):
 
 StopStr = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+MAX_CHOICES = 8  # `n`: each choice is one engine request (its own prefill)
 MIN_TEMPERATURE = 1e-3  # below it softmax(logits / t) overflows to inf / nan
 
 
@@ -84,7 +85,7 @@ class _Generation(_Lenient):
     temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
     top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
     seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    n: StrictInt | None = Field(default=None, ge=1, le=1)
+    n: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     documents: list[Document] = Field(default_factory=list)
