@@ -41,6 +41,7 @@ def test_store_config_rejects_a_bad_storage_dtype() -> None:
         ("--max-queue", "-3", "max_queue"),
         ("--max-running", "0", "max_running"),
         ("--admit-all-below", "2", "admit_all_below"),
+        ("--redis-url", "notaurl", "redis_url"),  # was a ValueError traceback from redis-py
     ],
 )
 def test_a_bad_serve_setting_is_one_line(

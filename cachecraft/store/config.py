@@ -13,6 +13,10 @@ from cachecraft.store.policy import POLICIES
 GiB = 1 << 30
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+"""What the redis client parses (anything else was a ValueError traceback at start-up)."""
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     """Capacities are bytes per tier; a tier with no location (cache_dir / redis_url None) or
@@ -73,3 +77,7 @@ class StoreConfig:
             raise ValueError("max_pinned_bytes_per_namespace must be >= 0 (or None: no cap)")
         if self.storage_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"storage_dtype {self.storage_dtype!r}: float16, bfloat16 or float32")
+        if self.redis_url is not None and not self.redis_url.startswith(REDIS_SCHEMES):
+            raise ValueError(
+                f"redis_url {self.redis_url!r} must start with one of {', '.join(REDIS_SCHEMES)}"
+            )
