@@ -124,3 +124,11 @@ def test_generate_names_a_wrong_argument_type(tiny_dir: Path) -> None:
     assert not llm.engine.has_work()
     out = llm.generate(_req([0]), SamplingParams(max_tokens=2, ignore_eos=True), "full")
     assert len(out[0].token_ids) == 2
+
+
+def test_an_unknown_device_is_a_model_load_error(tiny_dir: Path) -> None:
+    """LLM(device="tpu") raised torch's RuntimeError listing every device type."""
+    from cachecraft.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="unknown device 'tpu'"):
+        LLM(str(tiny_dir), device="tpu")

@@ -165,6 +165,10 @@ def load_model(
 
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ModelLoadError(f"unknown device {device!r} ({e})") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} asked for but CUDA is not available")
     directory = resolve_model_dir(spec, cache_dir)
