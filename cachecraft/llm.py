@@ -8,6 +8,7 @@ as the server batches them, through the same planner, runner, scheduler and deco
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +97,10 @@ class LLM:
     """A model plus a chunk store. `model`: a path or name for `load_model`, or a model loaded
     already (several LLMs may share its weights; dtype and device are then the model's).
     `store`: a ChunkStore, a StoreConfig to build one from, or None for an in-memory LRU store
-    (`MemoryStore`, 2 GiB). `config` (a ReuseConfig) or `**reuse` (its fields), not both."""
+    (`MemoryStore`, 2 GiB). `config` (a ReuseConfig) or `**reuse` (its fields), not both.
+
+    Thread-safe: calls from several threads run one after another; to batch requests, give
+    them together in one `generate` call."""
 
     def __init__(
         self,
@@ -123,6 +127,9 @@ class LLM:
             store = make_store(store)
         self.runner = Runner(self.loaded, store, self.config)
         self.engine = Engine(self.runner, EngineConfig(), caller_driven=True)
+        self._lock = threading.RLock()
+        """One step loop at a time: calls from several threads run one after another (two
+        loops stepping one engine mixed their requests' tokens up)."""
 
     @property
     def store(self) -> ChunkStore:
@@ -161,8 +168,10 @@ class LLM:
             subs.append(
                 Submission(request, sampling, mode, budgets[i] if budgets else None, options)
             )
+        with self._lock:
+            completions = run_requests(self.engine, subs)
         outs = []
-        for done in run_requests(self.engine, subs):
+        for done in completions:
             assert done.report is not None
             extras = done.extras
             outs.append(
@@ -196,7 +205,8 @@ class LLM:
         first token."""
         options = RequestOptions(tuple(forced or ()), force_answer, commit)
         sub = Submission(request, sampling or SamplingParams(), mode, budgets, options)
-        done = run_requests(self.engine, [sub])[0]
+        with self._lock:
+            done = run_requests(self.engine, [sub])[0]
         extras = done.extras
         assert done.report is not None and extras is not None and extras.plan is not None
         assert extras.first_logits is not None and extras.rows is not None
@@ -235,11 +245,12 @@ class LLM:
         return self._compute_in_full(request, only_last=False)
 
     def _compute_in_full(self, request: RagRequest, only_last: bool) -> list[str]:
-        plan = self.runner.plan(request, "cachecraft", lookup=False)
-        job = self.runner.start(plan, precompute=True)
-        result = self.loaded.model.forward_step([job.work])[0]
-        outcome = self.runner.finish(job, result)
-        self.runner.commit(outcome)
+        with self._lock:
+            plan = self.runner.plan(request, "cachecraft", lookup=False)
+            job = self.runner.start(plan, precompute=True)
+            result = self.loaded.model.forward_step([job.work])[0]
+            outcome = self.runner.finish(job, result)
+            self.runner.commit(outcome)
         made = outcome.variants[-1:] if only_last else outcome.variants
         return [
             v.variant_id

@@ -132,3 +132,33 @@ def test_an_unknown_device_is_a_model_load_error(tiny_dir: Path) -> None:
 
     with pytest.raises(ModelLoadError, match="unknown device 'tpu'"):
         LLM(str(tiny_dir), device="tpu")
+
+
+def test_generate_from_several_threads_answers_as_alone(tiny_dir: Path) -> None:
+    """Two step loops driving one engine from two threads mixed the requests' tokens up (and
+    some forward steps failed); calls from several threads now run one after another."""
+    import threading
+
+    llm = LLM(str(tiny_dir))
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    reqs = [_req([i % 3, (i + 1) % 3], f"Question {i}?") for i in range(6)]
+    alone = [llm.generate(r, greedy, "full")[0].token_ids for r in reqs]
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(reqs))
+
+    def ask(i: int) -> None:
+        try:
+            start.wait(30)
+            got[i] = llm.generate(reqs[i], greedy, "full")[0].token_ids
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert [got[i] for i in range(len(reqs))] == alone
+    assert not llm.engine.has_work()
