@@ -79,10 +79,12 @@ class ChunkRegistry:
     def _load(self, path: Path) -> None:
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:
-            db.execute("PRAGMA busy_timeout=5000")
+            # Writes can run on the event loop: wait at most 1 s for another replica's lock
+            # (then the write is logged as failed and kept in memory), and no fsync per commit
+            # (WAL at NORMAL survives a killed process; a power cut loses at most the last
+            # listings, never a chunk file).
+            db.execute("PRAGMA busy_timeout=1000")
             db.execute("PRAGMA journal_mode=WAL")
-            # no fsync per commit (a write can run on the event loop): WAL at NORMAL survives
-            # a killed process, and a power cut loses at most the last listings, never a file
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute(
                 "CREATE TABLE IF NOT EXISTS chunks (namespace TEXT, chunk_key TEXT, label TEXT,"
