@@ -278,7 +278,8 @@ def test_probe_changes_no_reused_kv_and_measures_question_attention(llm: LLM) ->
     att = probe_attention(llm.loaded.model, kv, plan)
     # Nothing moved, so it ran in place: it wrote only where the prefill computes (question).
     qs = plan.layout.question_start
-    assert torch.equal(kv.k[:, :, :qs], k0[:, :, :qs]) and torch.equal(kv.v[:, :, :qs], v0[:, :, :qs])
+    assert torch.equal(kv.k[:, :, :qs], k0[:, :, :qs])
+    assert torch.equal(kv.v[:, :, :qs], v0[:, :, :qs])
     assert [len(a) for a in att] == [c.slot.num_tokens for c in plan.chunks]
     # Same numbers from the model's own span statistics: the question rows over a copy.
     layout = plan.layout
