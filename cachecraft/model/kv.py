@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import math
 import mmap
+from typing import Protocol
 
 import torch
 
