@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from cachecraft.engine.engine import Engine, EngineConfig
 from cachecraft.engine.offline import Submission, run_requests
@@ -70,3 +71,15 @@ def test_a_request_the_pool_cannot_hold_decodes_alone_beside_it(tiny_model: Load
     tokens, engine = _answers(tiny_model, small, requests)
     assert tokens == alone
     assert engine.pool is not None and engine.pool.capacity < 200
+
+
+def test_lazy_zeros_are_zero_aligned_and_writable() -> None:
+    from cachecraft.model.kv import lazy_zeros
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = lazy_zeros((2, 3, 5, 4), dtype, "cpu")
+        assert x.dtype == dtype and x.shape == (2, 3, 5, 4) and x.is_contiguous()
+        assert x.data_ptr() % 4096 == 0 and not bool(x.any())
+        x[1, 2] = 1.5
+        assert float(x.sum()) == 1.5 * 20
+    assert lazy_zeros((0, 4), torch.float32, "cpu").numel() == 0

@@ -49,6 +49,24 @@ def test_keys_moved_by_delta_equal_keys_at_new_position(params: dict) -> None:
         assert (moved - rope.rotate(k, p + d)).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("params", SCALINGS, ids=lambda p: p["rope_type"])
+def test_shift_equals_unrotate_then_rotate(params: dict) -> None:
+    """One rotation by the shift (the probe's re-rotation) equals unrotate + rotate, both ways."""
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_parameters=params,
+    )
+    rope = Rope(cfg, 16)
+    p = torch.arange(600, 610)
+    k = rope.rotate(torch.randn(2, 10, 16), p)
+    for d in (-590, -37, 0, 250):
+        two_step = rope.rotate(rope.unrotate(k, p), p + d)
+        assert (rope.shift(k, d) - two_step).abs().max() < 1e-4
+
+
 def test_model_keys_moved_equal_keys_computed_there(tiny: LoadedModel) -> None:
     """Layer-0 keys depend on the token only: compute a chunk at p and at p+d, compare."""
     chunk = torch.randint(3, 1000, (12,))

@@ -267,16 +267,19 @@ def _spliced(llm: LLM, request: RagRequest):
     return plan, kv
 
 
-def test_probe_changes_no_kv_and_measures_question_attention(llm: LLM) -> None:
+def test_probe_changes_no_reused_kv_and_measures_question_attention(llm: LLM) -> None:
     from cachecraft.engine.probe import probe_attention
     from cachecraft.model.step import SeqWork
 
     _run(llm, _req([0, 1, 2]), "naive")
     plan, kv = _spliced(llm, _req([2, 1, 0]))  # every chunk reused: probe positions are real
     assert plan.probe is not None
-    k0, v0, length = kv.k.clone(), kv.v.clone(), kv.length
+    k0, v0 = kv.k.clone(), kv.v.clone()
     att = probe_attention(llm.loaded.model, kv, plan)
-    assert torch.equal(kv.k, k0) and torch.equal(kv.v, v0) and kv.length == length
+    # Nothing moved, so it ran in place: it wrote only where the prefill computes (question).
+    qs = plan.layout.question_start
+    assert torch.equal(kv.k[:, :, :qs], k0[:, :, :qs])
+    assert torch.equal(kv.v[:, :, :qs], v0[:, :, :qs])
     assert [len(a) for a in att] == [c.slot.num_tokens for c in plan.chunks]
     # Same numbers from the model's own span statistics: the question rows over a copy.
     layout = plan.layout
@@ -297,9 +300,16 @@ def test_probe_leaves_out_chunks_without_kv(llm: LLM) -> None:
     _run(llm, _req([0, 1, 2]), "naive")
     plan, kv = _spliced(llm, _req([3, 1, 0]))  # chunk 3 is new: no K/V before the prefill
     assert [c.is_hit for c in plan.chunks] == [False, True, True]
+    k0, v0 = kv.k.clone(), kv.v.clone()
     att = probe_attention(llm.loaded.model, kv, plan)
+    assert torch.equal(kv.k, k0) and torch.equal(kv.v, v0)  # moved keys: a scratch copy
     assert att[0] is None and all(a is not None and min(a) >= 0 for a in att[1:])
     assert 0 < sum(sum(a) for a in att[1:]) < 1
+    # The same as a probe where the reused chunks really sit at the probe's positions.
+    plan2, kv2 = _spliced(llm, _req([1, 0]))
+    att2 = probe_attention(llm.loaded.model, kv2, plan2)
+    got, want = torch.tensor(att[1] + att[2]), torch.tensor(att2[0] + att2[1])
+    assert torch.allclose(got, want, atol=1e-6)
 
 
 def test_mixed_modes_on_one_store_never_serve_approximate_kv_as_exact(llm: LLM) -> None:

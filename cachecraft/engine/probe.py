@@ -2,10 +2,17 @@
 chunks, measured over the spliced (not yet fixed) cache before the prefill runs.
 
 The probe runs the question rows (and the system prefix when the prefix cache does not hold
-it) through layers 0..probe.last_layer over a scratch copy of the context the question can
-already see: the prefix and the reused chunks. Chunks computed in this request hold no K/V
-yet, so they are left out and the positions after them move up (keys re-rotated to their
-probe positions). The request's own KVCache is only read, never written.
+it) through layers 0..probe.last_layer over the context the question can already see: the
+prefix and the reused chunks. Chunks computed in this request hold no K/V yet, so they are
+left out and the positions after them move up (keys re-rotated to their probe positions).
+
+Where it runs: when no computed chunk lies before a reused one, every context key already
+sits at its probe position in the request's own KVCache, and the probe's rows go to
+positions the prefill computes at every layer anyway (the uncached prefix; everything after
+the last reused chunk: computed chunks and the question). The probe then runs in that cache:
+no copy, no re-rotation, and nothing the prefill reads before writing it changes. Otherwise it
+runs over a scratch cache: keys before the first moved position are copied as they are, only
+the moved ones are re-rotated, and only the probe's layers are filled.
 """
 
 from __future__ import annotations
@@ -24,28 +31,26 @@ def probe_attention(
 ) -> list[list[float] | None]:
     """Per chunk of `plan`, the question's attention on each of its tokens (mean over heads,
     question rows and the probe's layers); None for chunks not reused. `kv` must hold every
-    layer of the reused chunks (and of the prefix when `plan.prefix_hit`)."""
+    layer of the reused chunks (and of the prefix when `plan.prefix_hit`). The probe may
+    write `kv` only at positions the prefill computes at every layer (see the module doc)."""
     probe = plan.probe
     if probe is None:
         raise ValueError("the plan has no probe")
     layout = plan.layout
     p = layout.prefix_len
-    src: list[int] = list(range(p))
+    spans = [(0, p)]  # real positions of the probe's context, in order
     where: list[tuple[int, int] | None] = []  # per chunk: its span in the probe's context
+    m = p
     for cp in plan.chunks:
         if cp.variant is None:
             where.append(None)
             continue
-        where.append((len(src), len(src) + cp.slot.num_tokens))
-        src.extend(range(cp.slot.start, cp.slot.end))
-    m, q = len(src), len(layout.question_ids)
-    scratch = KVCache(model.arch, m + q, kv.k.dtype, kv.k.device)
-    index = torch.tensor(src, dtype=torch.long, device=kv.k.device)
-    dst = torch.arange(m, device=kv.k.device)
-    keys = kv.k[:, :, index]  # [L, Hkv, m, D], rotated at their real positions
-    if m and not torch.equal(index, dst):
-        keys = model.rope.rotate(model.rope.unrotate(keys, index), dst)
-    scratch.write(0, keys, kv.v[:, :, index])
+        where.append((m, m + cp.slot.num_tokens))
+        spans.append((cp.slot.start, cp.slot.end))
+        m += cp.slot.num_tokens
+    q = len(layout.question_ids)
+    in_place = spans[-1][1] == m  # no computed chunk before a reused one: nothing moves
+    context = kv if in_place else _scratch(model, kv, spans, q, probe.last_layer)
     rows = list(range(m, m + q))
     ids = list(layout.question_ids)
     if not plan.prefix_hit:  # the prefix has no K/V yet: compute it in the probe as well
@@ -54,7 +59,7 @@ def probe_attention(
     hook = QuestionAttention(question_start=m, context=m)
     n = len(rows)
     work = SeqWork(
-        scratch,
+        context,
         torch.tensor(ids, dtype=torch.long),
         torch.tensor(rows, dtype=torch.long),
         last_layer=torch.full((n,), probe.last_layer, dtype=torch.long),
@@ -64,3 +69,27 @@ def probe_attention(
     model.forward_step([work])
     scores = hook.mean().tolist()
     return [None if w is None else scores[w[0] : w[1]] for w in where]
+
+
+def _scratch(
+    model: LlamaModel, kv: KVCache, spans: list[tuple[int, int]], q: int, last_layer: int
+) -> KVCache:
+    """A cache of m + q positions whose first m hold the keys and values of `kv` at the
+    `spans` (ascending (start, end) of real positions) one after the other, keys rotated to
+    their new positions, at layers 0..last_layer (the probe's rows stop there: nothing above
+    is read, so it is left unset)."""
+    m, top = sum(e - s for s, e in spans), last_layer + 1
+    scratch = KVCache(model.arch, 0, kv.k.dtype, kv.k.device)
+    shape = (kv.k.shape[0], kv.k.shape[1], m + q, kv.k.shape[3])
+    scratch.k = torch.empty(shape, dtype=kv.k.dtype, device=kv.k.device)
+    scratch.v = torch.empty(shape, dtype=kv.v.dtype, device=kv.v.device)
+    at = 0
+    for start, end in spans:
+        keys = kv.k[:top, :, start:end]
+        if at != start:  # moved up by a computed chunk before it: one rotation by the shift
+            keys = model.rope.shift(keys, at - start)
+        scratch.k[:top, :, at : at + end - start] = keys
+        scratch.v[:top, :, at : at + end - start] = kv.v[:top, :, start:end]
+        at += end - start
+    scratch.length = m
+    return scratch

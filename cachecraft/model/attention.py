@@ -46,20 +46,28 @@ def _sdpa(
 
 
 def _widen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, onehot: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, onehot: torch.Tensor, heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused-statistics operands: V gets the S span-indicator columns (onehot [ctx, S]), Q
     and K get zero columns so all three share one width (the CPU kernels want equal widths)
     while every score q.k stays exactly what it was. Softmax rows then carry, in output columns
     D..D+S, the attention mass each row puts on each span. The width is rounded up to a
     multiple of 8 (more zero columns): on this CPU SDPA at width 72 costs +8% over 64, at 71
-    +26%."""
-    num_spans = onehot.shape[1]
-    pad = -(-(q.shape[-1] + num_spans) // 8) * 8 - q.shape[-1]
-    qz = q.new_zeros((*q.shape[:-1], pad))
-    kz = k.new_zeros((*k.shape[:-1], pad))
-    ind = F.pad(onehot.to(v.dtype), (0, pad - num_spans)).expand(v.shape[0], -1, -1)
-    return torch.cat([q, qz], -1), torch.cat([k, kz], -1), torch.cat([v, ind], -1)
+    +26%. K and V come out with `heads` heads (Hkv, or H for GQA expanded), each written once
+    (no concatenation followed by a copy per head)."""
+    head_dim, num_spans = q.shape[-1], onehot.shape[1]
+    width = -(-(head_dim + num_spans) // 8) * 8
+    qw = F.pad(q, (0, width - head_dim))
+    num_kv, ctx = k.shape[0], k.shape[1]
+    group = heads // num_kv
+    kw = k.new_empty((num_kv, group, ctx, width))
+    kw[..., :head_dim] = k[:, None]
+    kw[..., head_dim:] = 0
+    vw = v.new_empty((num_kv, group, ctx, width))
+    vw[..., :head_dim] = v[:, None]
+    vw[..., head_dim : head_dim + num_spans] = onehot.to(v.dtype)
+    vw[..., head_dim + num_spans :] = 0
+    return qw, kw.view(heads, ctx, width), vw.view(heads, ctx, width)
 
 
 ROW_BLOCK = 64
@@ -87,9 +95,10 @@ def causal_attention(
     num_heads, n, head_dim = q.shape
     ctx = k.shape[1]
     scale = head_dim**-0.5
-    if onehot is not None:
-        q, k, v = _widen(q, k, v, onehot[:ctx])
-    if n == ctx and (window is None or ctx <= window):
+    full = n == ctx and (window is None or ctx <= window)
+    if onehot is not None:  # a full prefill's SDPA wants K/V per query head: widen to those
+        q, k, v = _widen(q, k, v, onehot[:ctx], num_heads if full else k.shape[0])
+    if full:
         # q_pos == 0..ctx-1: SDPA's top-left aligned causal mask is exact (a full prefill).
         k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
         out = _sdpa(q[None], k, v, None, True, scale)[0]

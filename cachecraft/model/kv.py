@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Protocol
 
 import torch
 
 from cachecraft.model.arch import ModelArch
+
+
+def lazy_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """torch.zeros(shape) whose pages the OS zeroes when first touched (CPU: an anonymous
+    private mmap, page-aligned, plain 4 KiB pages), so a big KV buffer costs nothing up front
+    and only the positions used ever take memory (torch.zeros writes every byte: 150 ms for a
+    383 MB pool, on the first request's time to first token). numpy's calloc is not used: it
+    asks for transparent huge pages, whose faults zero 2 MiB at a time and may stall on
+    compaction. Other devices: torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # keeps the map alive
+    return raw.view(dtype).view(shape)
 
 
 class SlotOwner(Protocol):
@@ -28,8 +48,8 @@ class KVCache:
         self, arch: ModelArch, capacity: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         shape = (arch.num_layers, arch.num_kv_heads, capacity, arch.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = lazy_zeros(shape, dtype, device)
+        self.v = lazy_zeros(shape, dtype, device)
         self.length = 0
         self.pool: SlotOwner | None = None
         self.slot: int | None = None
@@ -48,7 +68,7 @@ class KVCache:
         new_cap = max(capacity, 2 * self.capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros((*old.shape[:2], new_cap, old.shape[3]))
+            new = lazy_zeros((*old.shape[:2], new_cap, old.shape[3]), old.dtype, old.device)
             new[:, :, : old.shape[2]] = old
             setattr(self, name, new)
 

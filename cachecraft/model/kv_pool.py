@@ -15,7 +15,7 @@ import heapq
 import torch
 
 from cachecraft.model.arch import ModelArch
-from cachecraft.model.kv import KVCache
+from cachecraft.model.kv import KVCache, lazy_zeros
 
 
 class KVPool:
@@ -94,7 +94,7 @@ class KVPool:
         old = self.capacity
         for name in ("k", "v"):
             t = getattr(self, name)
-            new = t.new_zeros((*t.shape[:3], new_cap, t.shape[4]))
+            new = lazy_zeros((*t.shape[:3], new_cap, t.shape[4]), t.dtype, t.device)
             new[:, :, :, :old] = t
             setattr(self, name, new)
         for slot, kv in self._caches.items():

@@ -51,6 +51,14 @@ class Rope:
         c, s = cos[..., :half], sin[..., :half]  # both halves of the tables are equal
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
+    def shift(self, x: torch.Tensor, delta: int) -> torch.Tensor:
+        """x [..., n, head_dim] rotated at some positions -> rotated at those positions + delta
+        (one rotation by delta: RoPE's rotations compose, and the scaling is not applied
+        again)."""
+        freqs = float(delta) * self.inv_freq
+        emb = torch.cat((freqs, freqs))
+        return self.apply(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inverse of `rotate`: x [..., n, head_dim] rotated at `positions` -> before RoPE."""
         cos, sin = self.cos_sin(positions, torch.float32)
