@@ -271,12 +271,14 @@ def test_cli_json_out_and_errors(tiny_dir: Path, tmp_path: Path, capsys) -> None
     out_dir = tmp_path / "out"
     rc = _cli(
         ["bench", "quality", *common, "--modes", "full,epic", "--out", str(out_dir), "--json"]
+        + ["--store-mib", "64"]
     )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert set(summary["modes"]) == {"full", "cachecraft", "epic"}
     results = json.loads((out_dir / "results.json").read_text())
     assert results["config"]["reuse"]["alpha"] == 0.3  # read from the config file
+    assert results["config"]["store_bytes"] == 64 << 20  # each arm's store
     assert (out_dir / "report.md").exists() and list(out_dir.glob("*.png"))
 
     assert _cli(["bench", "quality", *common, "--modes", "full,bogus"]) == 2

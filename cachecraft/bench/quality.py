@@ -423,6 +423,7 @@ def run_quality(
         "warmup": warmup,
         "shared_warmup": shared_warmup,
         "store": asdict(store_config) if store_config else "memory",
+        "store_bytes": store_bytes,
         "match_budget": match_budget,
         "max_tokens": max_tokens,
         "reuse": asdict(base),
