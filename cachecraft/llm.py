@@ -90,7 +90,8 @@ class LLM:
     """A model plus a chunk store. `model`: a path or name for `load_model`, or a model loaded
     already (several LLMs may share its weights; dtype and device are then the model's).
     `store`: a ChunkStore, a StoreConfig to build one from, or None for an in-memory LRU store
-    (`MemoryStore`, 2 GiB). `config` (a ReuseConfig) or `**reuse` (its fields), not both."""
+    (`MemoryStore`, 2 GiB). `config` (a ReuseConfig) or `**reuse` (its fields), not both.
+    `engine`: the EngineConfig of its step loop (None: the defaults)."""
 
     def __init__(
         self,
@@ -100,6 +101,7 @@ class LLM:
         device: str = "cpu",
         store: ChunkStore | StoreConfig | None = None,
         config: ReuseConfig | None = None,
+        engine: EngineConfig | None = None,
         **reuse: object,
     ) -> None:
         if config is not None and reuse:
@@ -116,7 +118,7 @@ class LLM:
         elif isinstance(store, StoreConfig):
             store = make_store(store)
         self.runner = Runner(self.loaded, store, self.config)
-        self.engine = Engine(self.runner, EngineConfig(), caller_driven=True)
+        self.engine = Engine(self.runner, engine or EngineConfig(), caller_driven=True)
 
     @property
     def store(self) -> ChunkStore:

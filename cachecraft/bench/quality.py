@@ -33,6 +33,7 @@ from cachecraft.bench.item import WorkloadItem
 from cachecraft.bench.metrics import exact_match, kl_divergence, rouge_l, token_f1
 from cachecraft.bench.quality_summary import summarize_results
 from cachecraft.config import MODES, ReuseConfig
+from cachecraft.engine.engine import EngineConfig
 from cachecraft.errors import BadRequestError
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
@@ -40,6 +41,9 @@ from cachecraft.store.config import StoreConfig
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_BYTES = 1 << 30
+ONE_AT_A_TIME = EngineConfig(max_running=1)
+"""Every arm answers one request at a time: a KV pool of one slot (the default pool has 16,
+all grown to the longest prompt seen, per arm: runs of 9 arms filled the 24 GiB machine)."""
 MATCHED_MODES: tuple[str, ...] = ("random", "cacheblend", "epic", "prophet")
 """Modes that take cachecraft's per-request recompute budgets under `match_budget`."""
 
@@ -339,14 +343,16 @@ def run_arms(
     runs = []
     for i, arm in enumerate(arms):
         store = _arm_store(arm, i, store_bytes, store_config)
-        runs.append(_ArmRun(arm, LLM(loaded, store=store, config=arm.config)))
+        llm = LLM(loaded, store=store, config=arm.config, engine=ONE_AT_A_TIME)
+        runs.append(_ArmRun(arm, llm))
     shape = ModelShape.from_config(loaded.hf_config)
     warm = SamplingParams(max_tokens=1)
     sampling = SamplingParams(max_tokens=max_tokens)
     bar = tqdm(total=len(items), desc="bench quality", file=sys.stderr, disable=not progress)
     with torch.inference_mode(), bar:
         if shared_warmup and warmup:
-            seed = LLM(loaded, store=MemoryStore(store_bytes, arms[0].max_variants_per_chunk))
+            seed_store = MemoryStore(store_bytes, arms[0].max_variants_per_chunk)
+            seed = LLM(loaded, store=seed_store, engine=ONE_AT_A_TIME)
             for item in items[:warmup]:
                 bar.set_postfix_str("shared warm-up")
                 seed.warm(item.request)  # every chunk in full in its context
