@@ -22,6 +22,7 @@ from tqdm import tqdm
 from cachecraft.api import (
     LLM,
     Answer,
+    EngineConfig,
     LoadedModel,
     MemoryStore,
     SamplingParams,
@@ -33,7 +34,6 @@ from cachecraft.bench.item import WorkloadItem
 from cachecraft.bench.metrics import exact_match, kl_divergence, rouge_l, token_f1
 from cachecraft.bench.quality_summary import summarize_results
 from cachecraft.config import MODES, ReuseConfig
-from cachecraft.engine.engine import EngineConfig
 from cachecraft.errors import BadRequestError
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
