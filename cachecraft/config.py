@@ -58,8 +58,12 @@ class ReuseConfig:
     chunks below focus_threshold get none) or 'chunk' (each chunk its own CFO budget)."""
     probe_first_layer: int = 0
     probe_last_layer: int | None = None
-    """Layers whose question attention the probe averages (None: the top layer). The probe
-    runs up to probe_last_layer only."""
+    """Layers whose question attention the probe averages (None: set by probe_depth). The
+    probe runs up to probe_last_layer only."""
+    probe_depth: float = 1.0
+    """When probe_last_layer is None: the share of the model's layers the probe runs, from
+    layer 0 (last layer ceil(probe_depth x L) - 1; 1.0: every layer). Its cost is counted
+    as rows x layers run / L."""
     probe_blend: float = 0.0
     """Weight of the stored score added to the question attention (both scaled per chunk)."""
     probe_check: float = 3.0

@@ -98,6 +98,7 @@ class LLM:
     already (several LLMs may share its weights; dtype and device are then the model's).
     `store`: a ChunkStore, a StoreConfig to build one from, or None for an in-memory LRU store
     (`MemoryStore`, 2 GiB). `config` (a ReuseConfig) or `**reuse` (its fields), not both.
+    `engine`: the EngineConfig of its step loop (None: the defaults).
 
     Thread-safe: calls from several threads run one after another; to batch requests, give
     them together in one `generate` call."""
@@ -110,6 +111,7 @@ class LLM:
         device: str = "cpu",
         store: ChunkStore | StoreConfig | None = None,
         config: ReuseConfig | None = None,
+        engine: EngineConfig | None = None,
         **reuse: object,
     ) -> None:
         if config is not None and reuse:
@@ -126,7 +128,7 @@ class LLM:
         elif isinstance(store, StoreConfig):
             store = make_store(store)
         self.runner = Runner(self.loaded, store, self.config)
-        self.engine = Engine(self.runner, EngineConfig(), caller_driven=True)
+        self.engine = Engine(self.runner, engine or EngineConfig(), caller_driven=True)
         self._lock = threading.RLock()
         """One step loop at a time: calls from several threads run one after another (two
         loops stepping one engine mixed their requests' tokens up)."""

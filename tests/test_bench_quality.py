@@ -137,6 +137,35 @@ def test_sweep_has_a_point_per_parameter(tiny: LoadedModel) -> None:
     assert high[1]["computed_fraction"] <= high[0]["computed_fraction"] + 1e-9
 
 
+def test_equal_flops_arms_get_the_probe_and_check_cost_as_tokens(tiny: LoadedModel) -> None:
+    base = ReuseConfig(probe_depth=0.5, probe_check=3.0)
+    arms = ["cachecraft", "epic", "epic-flops", "cacheblend", "cacheblend-flops"]
+    res = run_quality(tiny, _items(4), arms, base=base, warmup=1, max_tokens=2, progress=False)
+    requests = res["workloads"]["workload"]["requests"]
+    cc = requests["cachecraft"]
+    assert any(r["chunk_hit_rate"] for r in cc), "no chunk was reused"
+    for tokens, flops, mine in zip(requests["epic"], requests["epic-flops"], cc, strict=True):
+        # equal tokens: cachecraft's rows plus its half-depth probe's cost (rounded)
+        assert tokens["computed_fraction"] == pytest.approx(mine["computed_fraction"], abs=0.02)
+        # equal FLOPs: also the check's candidates that stopped at layer 1, as tokens
+        assert flops["computed_fraction"] >= tokens["computed_fraction"]
+    for arm in ("epic", "cacheblend"):
+        # at equal FLOPs the arm's FLOPs come closer to cachecraft's (matched on token-layers:
+        # attention's dependence on position leaves a small gap)
+        def gaps(records: list[dict]) -> list[float]:
+            pairs = zip(records, cc, strict=True)
+            return [abs(r["flops_fraction"] - m["flops_fraction"]) for r, m in pairs]
+
+        gap, gap_f = gaps(requests[arm]), gaps(requests[f"{arm}-flops"])
+        assert max(gap_f) < 0.03, arm
+        assert sum(gap_f) < sum(gap), arm
+    gained = [
+        f["computed_fraction"] - t["computed_fraction"]
+        for t, f in zip(requests["epic"], requests["epic-flops"], strict=True)
+    ]
+    assert max(gained) > 0  # the check's stopped candidates were paid somewhere
+
+
 def test_arms_order_ablations_and_budget_source() -> None:
     arms = build_arms(["random"], ReuseConfig(), ablations=True)
     names = [a.name for a in arms]
@@ -145,7 +174,15 @@ def test_arms_order_ablations_and_budget_source() -> None:
     assert set(ABLATIONS) <= set(names)
     by_name = {a.name: a for a in arms}
     assert by_name["random"].budget_from == "cachecraft"
-    assert not by_name["cachecraft-no-focus"].config.early_termination
+    assert "cachecraft-no-focus" not in by_name  # a no-op under the global split: removed
+    assert by_name["cachecraft-half-probe"].config.probe_depth == 0.5
+    assert by_name["random"].match == "tokens"
+    flops = build_arms(["epic-flops", "cacheblend-global-flops"], ReuseConfig())
+    by_flops = {a.name: a for a in flops}
+    assert by_flops["epic-flops"].mode == "epic" and by_flops["epic-flops"].match == "flops"
+    cbg = by_flops["cacheblend-global-flops"]
+    assert cbg.mode == "cacheblend" and cbg.config.cacheblend_global and cbg.match == "flops"
+    assert cbg.budget_from == "cachecraft"
     assert by_name["cachecraft-one-variant"].max_variants_per_chunk == 1
     assert not by_name["cachecraft-no-order"].config.use_order_penalty
     assert by_name["cachecraft-empty-paper"].config.empty_s_old == "paper"
@@ -234,12 +271,14 @@ def test_cli_json_out_and_errors(tiny_dir: Path, tmp_path: Path, capsys) -> None
     out_dir = tmp_path / "out"
     rc = _cli(
         ["bench", "quality", *common, "--modes", "full,epic", "--out", str(out_dir), "--json"]
+        + ["--store-mib", "64"]
     )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert set(summary["modes"]) == {"full", "cachecraft", "epic"}
     results = json.loads((out_dir / "results.json").read_text())
     assert results["config"]["reuse"]["alpha"] == 0.3  # read from the config file
+    assert results["config"]["store_bytes"] == 64 << 20  # each arm's store
     assert (out_dir / "report.md").exists() and list(out_dir.glob("*.png"))
 
     assert _cli(["bench", "quality", *common, "--modes", "full,bogus"]) == 2

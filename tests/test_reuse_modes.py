@@ -264,6 +264,25 @@ def test_probe_layers_are_clamped() -> None:
     assert (p.probe.first_layer, p.probe.last_layer) == (0, 9)
 
 
+def test_probe_depth_sets_the_last_layer_and_the_cost() -> None:
+    lay = layout("X", "A")
+    variants = {"A": [variant("A", ("Y",))]}
+    full = plan("cachecraft", variants, lay)
+    assert full.probe.last_layer == 29 and full.probe.layer_share == 1.0
+    assert full.probe_cost == full.num_probe_rows  # every layer: one row each
+    half = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=0.5))
+    assert half.probe.last_layer == 14 and half.probe.layer_share == 0.5
+    assert half.num_probe_rows == full.num_probe_rows
+    assert half.probe_cost == pytest.approx(full.num_probe_rows * 15 / 30)
+    third = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=1 / 3))
+    assert third.probe.last_layer == 9
+    tiny = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=0.0))
+    assert tiny.probe.last_layer == 0  # at least layer 0
+    given = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=0.5, probe_last_layer=20))
+    assert given.probe.last_layer == 20  # an explicit last layer wins
+    assert plan("naive", variants, lay).probe_cost == 0.0
+
+
 def test_resolve_rejects_attention_of_the_wrong_shape() -> None:
     lay = layout("X", "A")
     p = plan("cachecraft", {"A": [variant("A", ("Y",))]}, lay)

@@ -121,7 +121,20 @@ def test_cachecraft_spends_the_summed_cfo_budget_where_the_question_looks(tiny_d
     assert sum(c.tokens_recomputed for c in chunks) == sum(_ceil_cfo(c) for c in chunks)
     assert out.report.probe_tokens > 0  # the question, probed over the spliced cache
     rep = out.report
+    assert rep.probe_cost == rep.probe_tokens  # the probe ran every layer
     assert rep.computed_fraction == (rep.tokens_computed + rep.probe_tokens) / rep.prompt_tokens
+
+
+def test_a_shallow_probe_costs_its_rows_times_the_layers_it_ran(tiny_dir: Path) -> None:
+    llm = LLM(str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"), probe_depth=0.5)
+    _run(llm, _req([0, 1, 2]), "cachecraft")
+    out = _run(llm, _req([2, 1, 0]), "cachecraft")
+    rep = out.report
+    assert rep.probe_tokens > 0
+    assert rep.probe_cost == pytest.approx(rep.probe_tokens * 2 / 4)  # layers 0-1 of 4
+    assert rep.computed_fraction == pytest.approx(
+        (rep.tokens_computed + rep.probe_tokens / 2) / rep.prompt_tokens
+    )
 
 
 def test_early_termination_stops_unfocused_chunks(tiny_dir: Path) -> None:
@@ -224,6 +237,7 @@ EVERYTHING = dict(
         ("cachecraft", {"probe_split": "need", "probe_check": 0.0}),
         ("cachecraft", {"probe_check_score": "deviation"}),
         ("cachecraft", {"probe_blend": 1.0, "probe_last_layer": 1}),
+        ("cachecraft", {"probe_depth": 0.5}),
         ("cachecraft-paper", {}),
         ("prophet", {}),
         ("epic", {}),

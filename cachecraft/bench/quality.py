@@ -8,11 +8,12 @@ Aggregation into the report schema lives in `quality_summary.py`.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from tqdm import tqdm
 from cachecraft.api import (
     LLM,
     Answer,
+    EngineConfig,
     LoadedModel,
     MemoryStore,
     SamplingParams,
@@ -39,6 +41,9 @@ from cachecraft.store.config import StoreConfig
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_BYTES = 1 << 30
+ONE_AT_A_TIME = EngineConfig(max_running=1)
+"""Every arm answers one request at a time: a KV pool of one slot (the default pool has 16,
+all grown to the longest prompt seen, per arm: runs of 9 arms filled the 24 GiB machine)."""
 MATCHED_MODES: tuple[str, ...] = ("random", "cacheblend", "epic", "prophet")
 """Modes that take cachecraft's per-request recompute budgets under `match_budget`."""
 
@@ -59,10 +64,11 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-check-deviation": {"probe_check_score": "deviation"},
     "cachecraft-check-all": {"probe_check": 1000.0},
     "cachecraft-chunk": {"probe_split": "chunk"},
-    "cachecraft-no-focus": {"early_termination": False},
     "cachecraft-blend": {"probe_blend": 1.0},
     "cachecraft-late-layers": {"probe_first_layer": 10},
-    "cachecraft-short-probe": {"probe_last_layer": 9},
+    "cachecraft-short-probe": {"probe_depth": 1 / 3},
+    "cachecraft-half-probe": {"probe_depth": 0.5},
+    "cachecraft-full-probe": {"probe_depth": 1.0},
     "cachecraft-refresh": {"refresh_error": 0.75},
     "cachecraft-beta-paper": {"beta_rule": "paper"},
     "cachecraft-no-order": {"use_order_penalty": False},
@@ -71,7 +77,10 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cacheblend-global": {"cacheblend_global": True},
 }
 """Arm name -> ReuseConfig changes. cachecraft-*: one choice of the default changed each;
-cacheblend-global: CacheBlend picking its top tokens across chunks (at cachecraft's budget)."""
+cacheblend-global: CacheBlend picking its top tokens across chunks (at cachecraft's budget).
+A matched mode or ablation named with the suffix FLOPS_SUFFIX ("epic-flops",
+"cacheblend-global-flops") takes cachecraft's budgets at equal FLOPs instead of equal tokens."""
+FLOPS_SUFFIX = "-flops"
 STORE_FIELDS = frozenset({"max_variants_per_chunk"})
 """Ablation fields that are store settings (StoreConfig), not reuse ones."""
 
@@ -81,6 +90,9 @@ class Arm:
     """One benchmark column: `mode` run with `config` over its own store.
 
     budget_from: the cachecraft arm whose per-request budgets this arm takes (None: its own).
+    match: "tokens": as many computed tokens as that arm (its probe's cost included);
+    "flops": as many token-layers (its probe's and its check's partial rows included; see
+    `_flops_extra`).
     sweep: (mode, parameter value) when the arm is a sweep point.
     """
 
@@ -89,6 +101,7 @@ class Arm:
     config: ReuseConfig
     budget_from: str | None = None
     sweep: tuple[str, float] | None = None
+    match: Literal["tokens", "flops"] = "tokens"
     max_variants_per_chunk: int = StoreConfig().max_variants_per_chunk
     """The arm's store setting (StoreConfig.max_variants_per_chunk)."""
 
@@ -167,12 +180,15 @@ def build_arms(
     if include_base:
         for name in names:
             mode = mode_of(name)
-            ablation = ABLATIONS.get(name, {})
+            flops = name.endswith(FLOPS_SUFFIX) and mode in MATCHED_MODES and match_budget
+            plain = name.removesuffix(FLOPS_SUFFIX) if flops else name
+            ablation = ABLATIONS.get(plain, {})
             reuse_fields = {k: v for k, v in ablation.items() if k not in STORE_FIELDS}
             store_fields = {k: v for k, v in ablation.items() if k in STORE_FIELDS}
             cfg = configs.get(name) or replace(base, **reuse_fields)
             src = "cachecraft" if match_budget and mode in MATCHED_MODES else None
-            arms.append(Arm(name, mode, cfg, src, **store_fields))
+            match = "flops" if flops else "tokens"
+            arms.append(Arm(name, mode, cfg, src, match=match, **store_fields))
     else:
         arms.append(Arm("full", "full", configs.get("full") or base))
     if sweep:
@@ -203,6 +219,7 @@ def _compare(item: WorkloadItem, ref: Answer, got: Answer, shape: ModelShape) ->
         probe_rows = np.arange(n - report.probe_tokens, n)
         rows = np.concatenate([rows, probe_rows])
         layers = np.concatenate([layers, np.full(probe_rows.shape, probe.last_layer + 1)])
+    # probe_fraction: the probe's cost in full-depth rows (rows x share of layers run)
     agree = ref.forced_logits.argmax(-1) == got.forced_logits.argmax(-1)
     chunks = report.chunks
     hit_tokens = sum(c.num_tokens for c in chunks if c.is_hit)
@@ -213,7 +230,7 @@ def _compare(item: WorkloadItem, ref: Answer, got: Answer, shape: ModelShape) ->
         "computed_fraction": report.computed_fraction,
         "flops_fraction": flops_fraction(shape, rows, report.prompt_tokens, layers),
         "reused_recompute_fraction": hit_done / hit_tokens if hit_tokens else None,
-        "probe_fraction": report.probe_tokens / report.prompt_tokens,
+        "probe_fraction": report.probe_cost / report.prompt_tokens,
         "ttft_ms": report.ttft_ms,
         "chunk_hit_rate": sum(c.is_hit for c in chunks) / len(chunks) if chunks else None,
         "rouge_l": rouge_l(got.text, ref.text),
@@ -225,30 +242,64 @@ def _compare(item: WorkloadItem, ref: Answer, got: Answer, shape: ModelShape) ->
     }
 
 
+def _flops_extra(got: Answer, num_layers: int) -> float:
+    """cachecraft's cost beyond its full-depth rows, in full-depth rows: the probe's rows x
+    the share of layers they ran, plus the check's candidates that stopped there x theirs
+    (token-layers; attention's dependence on position is left out)."""
+    layers = float((got.rows_last_layer + 1).sum()) / num_layers
+    full_depth = float((got.rows_last_layer + 1 == num_layers).sum())
+    return got.report.probe_cost + layers - full_depth
+
+
+def _arm_budgets(
+    arm: Arm, sources: dict[str, tuple[Answer, float]], num_layers: int
+) -> list[int | None] | None:
+    """The budgets `arm` gets from its source arm (None: its own).
+
+    tokens: cachecraft's recomputed tokens plus its probe's cost (prophet, which runs the same
+    probe itself, without it). flops: plus the check's stopped candidates as well; CacheBlend,
+    whose every reused token runs to its check layer, keeps per chunk the b with
+    b + (n - b) x s = the chunk's matched tokens (s: the share of layers up to its check)."""
+    if arm.budget_from is None:
+        return None
+    got, extra = sources[arm.budget_from]
+    if arm.match == "tokens":
+        extra = got.report.probe_cost
+    if arm.mode == "prophet":
+        extra -= got.report.probe_cost
+    budgets = matched_budgets(got.plan, extra=round(extra))
+    if arm.match == "flops" and arm.mode == "cacheblend":
+        s = min(arm.config.cacheblend_check_layer + 1, num_layers) / num_layers
+        sizes = [c.slot.num_tokens for c in got.plan.chunks]
+        budgets = [
+            None if b is None else max(math.floor((b - n * s) / (1 - s) + 1e-9), 0)
+            for b, n in zip(budgets, sizes, strict=True)
+        ]
+    return budgets
+
+
 def _run_request(
-    runs: list[_ArmRun], item: WorkloadItem, sampling: SamplingParams, shape: ModelShape | None
+    runs: list[_ArmRun],
+    item: WorkloadItem,
+    sampling: SamplingParams,
+    shape: ModelShape,
+    measure: bool,
 ) -> None:
-    """All arms on one request; shape None means warm-up (fill the caches, measure nothing)."""
-    measure = shape is not None
+    """All arms on one request; measure False means warm-up (fill the caches only)."""
     full, *others = runs
     ref = full.llm.answer(item.request, sampling, "full", force_answer=measure)
-    budgets: dict[tuple[str, bool], list[int | None]] = {}  # (arm, probe's rows added)
+    sources: dict[str, tuple[Answer, float]] = {}  # cachecraft arm -> (answer, flops extra)
     for run in others:
         arm = run.arm
-        # A mode with its own probe (prophet) pays for it itself: it gets cachecraft's tokens
-        # without the probe's rows; every other mode gets them as extra tokens.
-        given = budgets[arm.budget_from, arm.mode != "prophet"] if arm.budget_from else None
+        given = _arm_budgets(arm, sources, shape.num_layers)
         forced = ref.token_ids if measure else None
         got = run.llm.answer(item.request, sampling, arm.mode, budgets=given, forced=forced)
         if arm.mode == "cachecraft":
-            # The baselines get as many tokens in all as cachecraft computed, its probe's
-            # rows included (spread over the reused chunks).
-            budgets[arm.name, True] = matched_budgets(got.plan, extra=got.report.probe_tokens)
-            budgets[arm.name, False] = matched_budgets(got.plan)
-        if shape is not None:
+            sources[arm.name] = (got, _flops_extra(got, shape.num_layers))
+        if measure:
             run.records.append(_compare(item, ref, got, shape))
         del got
-    if shape is not None:
+    if measure:
         full.records.append(_compare(item, ref, ref, shape))
 
 
@@ -292,14 +343,16 @@ def run_arms(
     runs = []
     for i, arm in enumerate(arms):
         store = _arm_store(arm, i, store_bytes, store_config)
-        runs.append(_ArmRun(arm, LLM(loaded, store=store, config=arm.config)))
+        llm = LLM(loaded, store=store, config=arm.config, engine=ONE_AT_A_TIME)
+        runs.append(_ArmRun(arm, llm))
     shape = ModelShape.from_config(loaded.hf_config)
     warm = SamplingParams(max_tokens=1)
     sampling = SamplingParams(max_tokens=max_tokens)
     bar = tqdm(total=len(items), desc="bench quality", file=sys.stderr, disable=not progress)
     with torch.inference_mode(), bar:
         if shared_warmup and warmup:
-            seed = LLM(loaded, store=MemoryStore(store_bytes, arms[0].max_variants_per_chunk))
+            seed_store = MemoryStore(store_bytes, arms[0].max_variants_per_chunk)
+            seed = LLM(loaded, store=seed_store, engine=ONE_AT_A_TIME)
             for item in items[:warmup]:
                 bar.set_postfix_str("shared warm-up")
                 seed.warm(item.request)  # every chunk in full in its context
@@ -314,9 +367,9 @@ def run_arms(
                 continue
             bar.set_postfix_str("warm-up" if i < warmup else item.id[:24])
             if i < warmup:
-                _run_request(runs, item, warm, None)
+                _run_request(runs, item, warm, shape, measure=False)
             else:
-                _run_request(runs, item, sampling, shape)
+                _run_request(runs, item, sampling, shape, measure=True)
             bar.update()
     return {r.arm.name: (r.records, r.llm.store) for r in runs}
 
@@ -376,6 +429,7 @@ def run_quality(
         "warmup": warmup,
         "shared_warmup": shared_warmup,
         "store": asdict(store_config) if store_config else "memory",
+        "store_bytes": store_bytes,
         "match_budget": match_budget,
         "max_tokens": max_tokens,
         "reuse": asdict(base),

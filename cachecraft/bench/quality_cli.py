@@ -111,6 +111,12 @@ def add_bench_quality_parser(subparsers: argparse._SubParsersAction) -> argparse
         default=None,
         help="each arm keeps its chunk-caches on disk under DIR as int8 (memory tier off)",
     )
+    p.add_argument(
+        "--store-mib",
+        type=int,
+        default=1024,  # bench.quality.DEFAULT_STORE_BYTES (not imported: it loads torch)
+        help="each arm's in-memory chunk store, MiB (every arm holds its own)",
+    )
     p.add_argument("--out", default=None, help="write results.json, report.md and plots here")
     p.set_defaults(func=main_bench_quality)
     return p
@@ -208,7 +214,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
         _load_model(args), items, modes, warmup=args.warmup, match_budget=args.match_budget,
         max_tokens=args.max_tokens, base=base, ablations=args.ablations, sweep=args.sweep,
         progress=not args.no_progress, workload=name, shared_warmup=args.shared_warmup,
-        store_config=_int8_store(args.int8_store),
+        store_config=_int8_store(args.int8_store), store_bytes=args.store_mib << 20,
     )  # fmt: skip
     if args.out:
         paths = write_report(results, Path(args.out))

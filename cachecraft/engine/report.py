@@ -40,7 +40,9 @@ class RequestReport:
     ttft_ms: float = 0.0
     prefix_cached: int = 0
     probe_tokens: int = 0
-    """Rows the question probe computed before the prefill (its cost; not in tokens_computed)."""
+    """Rows the question probe computed before the prefill (not in tokens_computed)."""
+    probe_cost: float = 0.0
+    """The probe's cost in full-depth rows: probe_tokens x the share of layers it ran."""
 
     @property
     def tokens_reused(self) -> int:
@@ -48,8 +50,8 @@ class RequestReport:
 
     @property
     def computed_fraction(self) -> float:
-        """Rows computed, the probe's included, per prompt token."""
-        done = self.tokens_computed + self.probe_tokens
+        """Rows computed, the probe's included (by the layers it ran), per prompt token."""
+        done = self.tokens_computed + self.probe_cost
         return done / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def to_dict(self) -> dict:

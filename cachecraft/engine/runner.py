@@ -280,6 +280,7 @@ class Runner:
             layer_fraction=float((last + 1).sum()) / total_layers if total_layers else 0.0,
             prefix_cached=layout.prefix_len if plan.prefix_hit else 0,
             probe_tokens=job.probe_rows,
+            probe_cost=plan.probe_cost if job.probe_rows else 0.0,
         )
         return PrefillOutcome(result.logits[-1], report, hits, misses, last, job, result)
 

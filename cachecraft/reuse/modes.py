@@ -243,7 +243,11 @@ def plan_cachecraft_paper(inp: PlanInput) -> RecomputePlan:
 def _probe(inp: PlanInput, total: int, split: str, focus: float, check: float) -> ProbeCheck:
     c = inp.config
     top = inp.num_layers - 1
-    last = top if c.probe_last_layer is None else min(max(c.probe_last_layer, 0), top)
+    if c.probe_last_layer is None:
+        last = math.ceil(c.probe_depth * inp.num_layers - 1e-9) - 1
+    else:
+        last = c.probe_last_layer
+    last = min(max(last, 0), top)
     first = min(max(c.probe_first_layer, 0), last)
     check_layer = min(max(c.probe_check_layer, 0), top)
     return ProbeCheck(
@@ -256,6 +260,7 @@ def _probe(inp: PlanInput, total: int, split: str, focus: float, check: float) -
         check,
         check_layer,
         c.probe_check_score,
+        inp.num_layers,
     )
 
 

@@ -186,6 +186,14 @@ class ProbeCheck:
     check: float = 0.0
     check_layer: int = 1
     check_score: Literal["product", "deviation"] = "product"
+    num_layers: int = 0
+    """The model's layers (0: unknown, the probe is taken to run them all)."""
+
+    @property
+    def layer_share(self) -> float:
+        """Share of the model's layers the probe runs (layers 0..last_layer)."""
+        run = self.last_layer + 1
+        return min(run / self.num_layers, 1.0) if self.num_layers > 0 else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +240,13 @@ class RecomputePlan:
             return 0
         prefix = 0 if self.prefix_hit else self.layout.prefix_len
         return prefix + len(self.layout.question_ids)
+
+    @property
+    def probe_cost(self) -> float:
+        """The probe's cost in full-depth rows: its rows x the share of layers it runs."""
+        if self.probe is None:
+            return 0.0
+        return self.num_probe_rows * self.probe.layer_share
 
     def rows(self) -> tuple[int, ...]:
         """Absolute positions computed at layer 0, ascending (needs a resolved plan)."""
