@@ -32,8 +32,8 @@ SCALINGS = [
 ]
 
 
-@pytest.mark.parametrize("params", SCALINGS, ids=lambda p: p["rope_type"])
-def test_keys_moved_by_delta_equal_keys_at_new_position(params: dict) -> None:
+def _rope(params: dict) -> Rope:
+    """A head-dim-16 Rope with the given scaling."""
     cfg = LlamaConfig(
         hidden_size=64,
         num_attention_heads=4,
@@ -41,7 +41,12 @@ def test_keys_moved_by_delta_equal_keys_at_new_position(params: dict) -> None:
         max_position_embeddings=4096,
         rope_parameters=params,
     )
-    rope = Rope(cfg, 16)
+    return Rope(cfg, 16)
+
+
+@pytest.mark.parametrize("params", SCALINGS, ids=lambda p: p["rope_type"])
+def test_keys_moved_by_delta_equal_keys_at_new_position(params: dict) -> None:
+    rope = _rope(params)
     k = torch.randn(2, 10, 16, dtype=torch.float64).float()
     p = torch.arange(5, 15)
     for d in (1, 37, 500):
@@ -52,14 +57,7 @@ def test_keys_moved_by_delta_equal_keys_at_new_position(params: dict) -> None:
 @pytest.mark.parametrize("params", SCALINGS, ids=lambda p: p["rope_type"])
 def test_shift_equals_unrotate_then_rotate(params: dict) -> None:
     """One rotation by the shift (the probe's re-rotation) equals unrotate + rotate, both ways."""
-    cfg = LlamaConfig(
-        hidden_size=64,
-        num_attention_heads=4,
-        head_dim=16,
-        max_position_embeddings=4096,
-        rope_parameters=params,
-    )
-    rope = Rope(cfg, 16)
+    rope = _rope(params)
     p = torch.arange(600, 610)
     k = rope.rotate(torch.randn(2, 10, 16), p)
     for d in (-590, -37, 0, 250):
