@@ -14,9 +14,10 @@ import sys
 import threading
 from pathlib import Path
 
-from cachecraft.env import set_passive_openmp
+from cachecraft.env import set_passive_openmp, tune_allocator
 
 set_passive_openmp()  # before anything imports torch (cachecraft/env.py says why)
+tune_allocator()
 
 from cachecraft.bench.decode_bench import add_bench_decode_parser  # noqa: E402
 from cachecraft.bench.quality_cli import add_bench_quality_parser, add_calibrate_parser  # noqa: E402

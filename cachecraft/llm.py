@@ -19,6 +19,7 @@ from cachecraft.engine.offline import Submission, run_requests
 from cachecraft.engine.report import RequestReport
 from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
+from cachecraft.env import tune_allocator
 from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
@@ -101,7 +102,8 @@ class LLM:
     `engine`: the EngineConfig of its step loop (None: the defaults).
 
     Thread-safe: calls from several threads run one after another; to batch requests, give
-    them together in one `generate` call."""
+    them together in one `generate` call. Creating one tunes glibc's allocator for the whole
+    process (`cachecraft.env.tune_allocator`)."""
 
     def __init__(
         self,
@@ -119,6 +121,7 @@ class LLM:
                 f"reuse settings given twice: config=ReuseConfig(...) and {sorted(reuse)}"
             )
         self.config = config if config is not None else reuse_config(**reuse)
+        tune_allocator()  # process-wide: large activations from the heap (cachecraft/env.py)
         if isinstance(model, LoadedModel):
             self.loaded = model
         else:
