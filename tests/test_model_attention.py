@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cachecraft.model.attention import ROW_BLOCK, causal_attention, row_span_mass, span_onehot
+from cachecraft.model.attention import (
+    MAX_PAD_SHARE,
+    ROW_BLOCK,
+    causal_attention,
+    row_span_mass,
+    span_onehot,
+)
 
 
 def _brute(q, k, v, q_pos, window):
@@ -30,6 +36,9 @@ CASES = {
     "partial-expand": (torch.cat([torch.arange(10), torch.arange(25, 40)]), None),
     "decode": (torch.tensor([39]), None),
     "window": (torch.arange(40), 16),
+    # rows after a short cached prefix: one causal call over zero rows in front of them
+    "suffix-padded": (torch.arange(4, 40), None),
+    "suffix-long-prefix": (torch.arange(30, 40), None),
     # more rows than ROW_BLOCK: blocks of rows, each over the keys up to its last row
     "row-blocks": (torch.cat([torch.arange(0, 700, 2), torch.arange(700, 900)]), None),
     "row-blocks-window": (torch.cat([torch.arange(0, 700, 2), torch.arange(700, 900)]), 300),
@@ -67,3 +76,16 @@ def test_fused_uses_the_head_dim_scale_not_the_padded_width() -> None:
     out, _ = causal_attention(q, k, v, pos, None, span_onehot(torch.tensor([(0, 8)]), 8, q.dtype))
     ref = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
     assert (out - ref).abs().max() < 1e-6
+
+
+def test_rows_after_a_cached_prefix_equal_the_full_prefill_rows() -> None:
+    """Rows after a short cached prefix (one causal call over zero rows in front of them) come
+    out bit for bit as the full prefill computes them."""
+    g = torch.Generator().manual_seed(2)
+    ctx, pad = 300, 20
+    assert pad * MAX_PAD_SHARE <= ctx - pad
+    q = torch.randn(6, ctx, 16, generator=g)
+    k, v = torch.randn(2, ctx, 16, generator=g), torch.randn(2, ctx, 16, generator=g)
+    full, _ = causal_attention(q, k, v, torch.arange(ctx), None)
+    rows, _ = causal_attention(q[:, pad:], k, v, torch.arange(pad, ctx), None)
+    assert torch.equal(rows, full[:, pad:])
