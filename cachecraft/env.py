@@ -5,7 +5,7 @@ peer benchmark passes the environment on to its child).
 * `XDG_CACHE_HOME` (read): where converted models are cached, `$XDG_CACHE_HOME/cachecraft`
   (default `~/.cache/cachecraft`).
 * `OMP_WAIT_POLICY` (set by the `cachecraft` command to `PASSIVE` unless already set, before
-  torch loads OpenMP): OpenMP's long active waiting starves our own threads (README, "Threads").
+  torch loads OpenMP): OpenMP's long active waiting starves our own threads (README, "Threads and memory").
 * `GOMP_SPINCOUNT` (set by the `cachecraft` command to `SPIN_COUNT` unless already set): with
   PASSIVE alone a worker sleeps right after every operation and the next one pays for waking
   it (a full prefill took 10% longer); a short spin keeps the workers awake between the
