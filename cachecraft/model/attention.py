@@ -7,6 +7,8 @@ attention mass each row puts on each span; both give the same output.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -85,6 +87,51 @@ system prompt took 5.3 ms per layer that way, 6.9 ms as masked blocks; 600 rows 
 were faster as blocks (6.3 vs 7.3 ms)."""
 
 
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """What `causal_attention` does for rows at positions `q_pos`, independent of the layer:
+    a causal call after `pad` zero rows, or blocks of rows (a, b, end, mask, fold) over keys
+    0..end-1 with their additive masks already built (folded: the query heads of a KV group
+    stacked as rows, the mask repeated for them). Built once per forward step, not per layer:
+    under load the per-layer mask building cost as much as the attention itself."""
+
+    q_pos: torch.Tensor
+    pad: int
+    causal: bool
+    blocks: tuple[tuple[int, int, int, torch.Tensor | None, bool], ...]
+
+
+def plan_rows(
+    q_pos: torch.Tensor, window: int | None, num_heads: int, num_kv: int, dtype: torch.dtype
+) -> RowPlan:
+    """The RowPlan of sorted positions q_pos [n] (keys 0..q_pos[-1])."""
+    n = q_pos.shape[0]
+    ctx = int(q_pos[-1]) + 1
+    pad = ctx - n
+    causal = (window is None or ctx <= window) and (
+        pad == 0 or (int(q_pos[0]) == pad and pad * MAX_PAD_SHARE <= n)
+    )
+    if causal:
+        return RowPlan(q_pos, pad, True, ())
+    group = num_heads // num_kv
+    num_blocks = -(-n // ROW_BLOCK)
+    cuts = [round(i * n / num_blocks) for i in range(num_blocks + 1)]
+    blocks = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        end = int(q_pos[b - 1]) + 1  # keys past the block's last row are all masked
+        needs_window = window is not None and end > window
+        fold = group * (b - a) <= end
+        mask = None
+        if b - a > 1 or needs_window:  # one row at the last position needs none (decode)
+            allowed = _mask(q_pos[a:b], end, window if needs_window else None)
+            if fold:
+                allowed = allowed.repeat(group, 1)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
+            mask.masked_fill_(~allowed, float("-inf"))
+        blocks.append((a, b, end, mask, fold))
+    return RowPlan(q_pos, pad, False, tuple(blocks))
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -92,71 +139,47 @@ def causal_attention(
     q_pos: torch.Tensor,
     window: int | None,
     onehot: torch.Tensor | None = None,
+    plan: RowPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [H, n, D] at sorted positions q_pos [n]; k, v [Hkv, ctx, D] with ctx = q_pos[-1] + 1.
+    `plan`: `plan_rows` of the same positions (built here when None).
 
     Returns (out [H, n, D], mass): with onehot [>= ctx, S] (see `span_onehot`), mass [n, S] is
     each row's head-averaged attention probability on each span, computed by the same SDPA call
     (fused: no score matrix of ours exists); without it mass is None.
     """
     num_heads, n, head_dim = q.shape
-    ctx = k.shape[1]
+    num_kv, ctx = k.shape[0], k.shape[1]
     scale = head_dim**-0.5
-    pad = ctx - n  # rows before the first query row (a cached prefix)
-    causal = (window is None or ctx <= window) and (
-        pad == 0 or (int(q_pos[0]) == pad and pad * MAX_PAD_SHARE <= n)
-    )
+    if plan is None:
+        plan = plan_rows(q_pos, window, num_heads, num_kv, q.dtype)
     if onehot is not None:  # a causal SDPA wants K/V per query head: widen to those
-        q, k, v = _widen(q, k, v, onehot[:ctx], num_heads if causal else k.shape[0])
-    if causal:
+        q, k, v = _widen(q, k, v, onehot[:ctx], num_heads if plan.causal else num_kv)
+    width = q.shape[-1]
+    if plan.causal:
         # q_pos == pad..ctx-1: with `pad` zero query rows in front, SDPA's top-left aligned
         # causal mask is exact (pad == 0: a full prefill), and every real row is computed as
         # the full prefill computes it.
+        pad = plan.pad
         if pad:
-            q = torch.cat([q.new_zeros((num_heads, pad, q.shape[-1])), q], 1)
+            q = torch.cat([q.new_zeros((num_heads, pad, width)), q], 1)
         k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
         out = _sdpa(q[None], k, v, None, True, scale)[0, :, pad:]
-    elif n <= ROW_BLOCK:
-        out = _masked_rows(q, k, v, q_pos, window, scale)
     else:
-        num_blocks = -(-n // ROW_BLOCK)
-        cuts = [round(i * n / num_blocks) for i in range(num_blocks + 1)]
         parts = []
-        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-            end = int(q_pos[b - 1]) + 1  # keys past the block's last row are all masked
-            parts.append(_masked_rows(q[:, a:b], k[:, :end], v[:, :end], q_pos[a:b], window, scale))
-        out = torch.cat(parts, 1)
+        for a, b, end, mask, fold in plan.blocks:
+            kb, vb = k[None, :, :end], v[None, :, :end]
+            if fold:  # few rows: head h reads KV head h // group, no K/V copy per head
+                qg = q[:, a:b].reshape(num_kv, -1, width)
+                out_g = _sdpa(qg[None], kb, vb, mask, False, scale)[0]
+                parts.append(out_g.reshape(num_heads, -1, width))
+            else:
+                kb, vb = _expand_kv(kb[0], num_heads)[None], _expand_kv(vb[0], num_heads)[None]
+                parts.append(_sdpa(q[None, :, a:b], kb, vb, mask, False, scale)[0])
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
     if onehot is None:
         return out, None
     return out[..., :head_dim], out[..., head_dim : head_dim + onehot.shape[1]].mean(0)
-
-
-def _masked_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    window: int | None,
-    scale: float,
-) -> torch.Tensor:
-    """Rows q [H, n, W] at positions q_pos over keys k, v [Hkv, ctx, W] (ctx = q_pos[-1] + 1)
-    with the exact absolute mask; one row at the last position needs none (decode)."""
-    num_heads, n, width = q.shape
-    num_kv, ctx = k.shape[0], k.shape[1]
-    group = num_heads // num_kv
-    needs_window = window is not None and ctx > window
-    mask = None
-    if n > 1 or needs_window:
-        mask = _mask(q_pos, ctx, window if needs_window else None)
-    if group * n <= ctx:
-        # Few rows (decode, partial prefill): fold the query heads of each KV group into rows
-        # instead of copying K/V per head; head h reads KV head h // group.
-        qg = q.reshape(num_kv, group * n, width)
-        fold_mask = None if mask is None else mask.repeat(group, 1)
-        out = _sdpa(qg[None], k[None], v[None], fold_mask, False, scale)
-        return out[0].reshape(num_heads, n, width)
-    k, v = _expand_kv(k, num_heads)[None], _expand_kv(v, num_heads)[None]
-    return _sdpa(q[None], k, v, mask, False, scale)[0]
 
 
 def row_span_mass(

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.arch import ModelArch
-from cachecraft.model.attention import causal_attention, span_onehot
+from cachecraft.model.attention import RowPlan, causal_attention, plan_rows, span_onehot
 from cachecraft.model.decode import DecodePlan, attend_decode, plan_decode
 from cachecraft.model.linear import Linear, can_pack
 from cachecraft.model.rope import Rope
@@ -55,6 +55,7 @@ class _Rows:
             else work.last_layer.to(torch.long).clamp(max=top).clone()
         )
         self.final_last_layer = self.last_layer.clone()
+        self.attn_plan: RowPlan | None = None  # for the current `positions` (see `plan`)
         self.mass_layers: torch.Tensor | None = None
         self.mass_rows: torch.Tensor | None = None
         self.row_layers: torch.Tensor | None = None
@@ -71,6 +72,13 @@ class _Rows:
                 if work.stats_rows is None
                 else work.stats_rows.to(torch.bool).clone()
             )
+
+    def plan(self, window: int | None, num_heads: int, num_kv: int, dtype: torch.dtype) -> RowPlan:
+        """The attention plan of the rows still computed: built on the first layer, again only
+        after rows stopped (`positions` is then a new tensor)."""
+        if self.attn_plan is None or self.attn_plan.q_pos is not self.positions:
+            self.attn_plan = plan_rows(self.positions, window, num_heads, num_kv, dtype)
+        return self.attn_plan
 
 
 class LlamaModel:
@@ -247,7 +255,8 @@ class LlamaModel:
         window = self.arch.sliding_window
         wants_stats = work.span_bounds is not None and bool(s.stats_rows.any())
         onehot = s.onehot if wants_stats else None
-        out, mass = causal_attention(q, keys, values, pos, window, onehot)
+        plan = s.plan(window, q.shape[0], keys.shape[0], q.dtype)
+        out, mass = causal_attention(q, keys, values, pos, window, onehot, plan)
         if mass is not None:
             sel = s.stats_rows
             self._collect(s, s.index[sel], layer_idx, mass[sel].float())
