@@ -226,3 +226,37 @@ def test_health_lists_each_configured_tier(tmp_path: Path) -> None:
     assert health["memory"].nbytes == SIZE
     store.close()
     store.close()  # idempotent
+
+
+def test_a_pinned_variant_keeps_its_disk_file_across_a_restart(tmp_path: Path) -> None:
+    """Pins are restored after a restart from the disk copy (`chunks.restore_pins`), but the
+    disk evicted a pinned variant's file for capacity like any other, and the per-chunk cap
+    could remove it too: after a restart the pin was dropped and the chunk-cache was gone."""
+    probe = TieredStore(StoreConfig(cache_dir=str(tmp_path / "probe"), doorkeeper_threshold=1))
+    assert probe.offer(make_variant("size")).stored
+    file_bytes = probe.disk.nbytes  # type: ignore[union-attr]
+    probe.close()
+    config = StoreConfig(
+        memory_bytes=SIZE,
+        cache_dir=str(tmp_path / "cache"),
+        disk_bytes=3 * file_bytes,
+        doorkeeper_threshold=1,
+        admit_all_below=1.0,
+        max_variants_per_chunk=1,
+        policy="lru",
+    )
+    store = TieredStore(config)
+    pinned = make_variant("p")
+    assert store.offer(pinned).stored
+    store.pin(pinned)
+    for i in range(6):  # three files fit: the unpinned ones make room for each other
+        assert store.offer(make_variant(f"o{i}", seed=i + 1)).stored
+    # another variant of the pinned chunk past max_variants_per_chunk=1: the pinned one stays
+    store.offer(make_variant("p", s_old=("q",), seed=9))
+    store.check_integrity()
+    assert pinned.variant_id in store.disk  # type: ignore[operator]
+    store.close()
+    again = TieredStore(config)  # a restart: memory is empty, the disk copy is what is left
+    got = again.load(pinned.variant_id)
+    assert got is not None and torch.equal(got.keys, pinned.keys)
+    again.close()

@@ -360,9 +360,11 @@ class TieredStore:
             # Called under the disk's write lock: taking the store lock here could deadlock with
             # a demotion (store lock -> disk lock), so read the stats dict without it.
             # Hit statistics from this process (fresher), sizes as the disk counts them.
+            # A pinned variant's file is never a victim: it is what a restart pins again.
             fresh = [
                 dataclasses.replace(self._stats_by_id.get(s.variant_id, s), nbytes=s.nbytes)
                 for s in residents
+                if s.variant_id not in self._pinned
             ]
             return self.policy.victims(fresh, need, self._tick)
 
@@ -390,8 +392,11 @@ class TieredStore:
         if len(ids) < cap:
             return True
         pool = [s for s in (self._stats_of(v) for v in ids) if s is not None] + [st]
-        ranked = self.policy.order(pool, self._tick)
-        for loser in ranked[: len(pool) - cap]:
+        # Pinned variants count against the cap but are never removed for it.
+        losers = [
+            s for s in self.policy.order(pool, self._tick) if s.variant_id not in self._pinned
+        ]
+        for loser in losers[: len(pool) - cap]:
             if loser is st:
                 return False
             self._remove_variant(loser.variant_id, "chunk_cap")
