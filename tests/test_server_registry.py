@@ -1,0 +1,116 @@
+"""The chunk registry (`registry.sqlite`) against the store and against other replicas: real
+servers on a tiny random Llama over real cache directories, the real `cachecraft chunks` CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import make_tiny_dir
+from test_server_faults import CTX, T, openai_error
+
+from cachecraft.engine.engine import EngineConfig
+from cachecraft.model.loader import LoadedModel, load_model
+from cachecraft.server import chunks
+from cachecraft.server.app import create_app
+from cachecraft.server.launch import build_stack, close_stack, serve_app, start_server
+from cachecraft.store.config import StoreConfig
+
+FR = {"id": "fr", "text": "Paris is the capital of France."}
+DE = {"id": "de", "text": "Berlin is the capital of Germany."}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = make_tiny_dir(tmp_path_factory.mktemp("tiny-registry"), max_position_embeddings=CTX)
+    return load_model(str(path))
+
+
+def store_in(tmp_path: Path) -> StoreConfig:
+    return StoreConfig(cache_dir=str(tmp_path / "cache"), doorkeeper_threshold=1)
+
+
+def post(url: str, documents: list[dict[str, str]], **extra: Any) -> list[dict[str, Any]]:
+    r = httpx.post(url + "/v1/chunks", json={"documents": documents, **extra}, timeout=T)
+    assert r.status_code == 200, r.text
+    return r.json()["data"]
+
+
+def listed(url: str, query: str = "") -> dict[str, Any]:
+    r = httpx.get(url + "/v1/chunks" + query, timeout=T)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def ids(url: str, query: str = "") -> list[str]:
+    return [d["id"] for d in listed(url, query)["data"]]
+
+
+@contextlib.contextmanager
+def replica(small: LoadedModel, store: StoreConfig) -> Iterator[str]:
+    """One server process's app (engine, store, registry) over a shared cache directory."""
+    stack = build_stack("full", loaded=small, store=store, engine=EngineConfig(mode="full"))
+    registry = chunks.open_registry(store)
+    try:
+        with serve_app(create_app(stack.engine, stack.store, None, registry)) as url:
+            yield url
+    finally:
+        close_stack(stack)
+        registry.close()
+
+
+def test_two_replicas_on_one_directory_list_delete_and_pin_alike(
+    small: LoadedModel, tmp_path: Path
+) -> None:
+    """Replicas read registry.sqlite once, at start: a chunk precomputed (and pinned) through
+    A was not listed by B, B answered 404 to deleting it, and a deletion through A left B
+    listing it."""
+    store = store_in(tmp_path)
+    with replica(small, store) as a, replica(small, store) as b:
+        fr = post(a, [FR], pin=True)[0]
+        post(b, [DE], cache_namespace="tenant")
+        assert ids(b) == ["fr"] and listed(b)["data"][0]["pinned"]
+        assert listed(b)["data"] == listed(a)["data"]
+        assert ids(a, "?cache_namespace=tenant") == ["de"]
+        r = httpx.delete(f"{b}/v1/chunks/{fr['chunk_key']}", timeout=T)
+        assert r.status_code == 200 and r.json()["num_variants"] >= 1, r.text
+        assert listed(a)["data"] == [] and listed(b)["data"] == []
+        openai_error(httpx.delete(f"{a}/v1/chunks/{fr['chunk_key']}", timeout=T), 404)
+        post(b, [FR], pin=True)  # pinned again through B: A lists it pinned
+        assert ids(a) == ["fr"] and listed(a)["data"][0]["pinned"]
+    with replica(small, store) as c:  # and what they did together outlives them
+        assert ids(c) == ["fr"] and listed(c)["data"][0]["pinned"]
+        assert ids(c, "?cache_namespace=tenant") == ["de"]
+
+
+def test_a_read_only_registry_still_lists_and_registers_in_memory(
+    small: LoadedModel, tmp_path: Path
+) -> None:
+    """A registry file this process cannot write: what it holds is still listed and pinned,
+    and new chunks are listed from memory (never a 500, never lost listings)."""
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr to make a file read-only for every user")
+    store = store_in(tmp_path)
+    with start_server("full", loaded=small, store=store) as url:
+        post(url, [FR], pin=True)
+    registry = tmp_path / "cache" / chunks.REGISTRY_FILE
+    parts = [registry, *registry.parent.glob(chunks.REGISTRY_FILE + "-*")]
+    made = subprocess.run(["chattr", "+i", *map(str, parts)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"chattr +i: {made.stderr.decode().strip()}")
+    try:
+        with start_server("full", loaded=small, store=store) as url:
+            assert ids(url) == ["fr"] and listed(url)["data"][0]["pinned"]
+            post(url, [DE])
+            assert sorted(ids(url)) == ["de", "fr"]
+            key = next(d["chunk_key"] for d in listed(url)["data"] if d["id"] == "fr")
+            assert httpx.delete(f"{url}/v1/chunks/{key}", timeout=T).status_code == 200
+            assert ids(url) == ["de"]
+    finally:
+        subprocess.run(["chattr", "-i", *map(str, parts)], check=True)
