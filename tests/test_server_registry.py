@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server import chunks
 from cachecraft.server.app import create_app
 from cachecraft.server.launch import build_stack, close_stack, serve_app, start_server
+from cachecraft.store.cli import chunks_command
 from cachecraft.store.config import StoreConfig
 
 FR = {"id": "fr", "text": "Paris is the capital of France."}
@@ -34,6 +36,14 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 def store_in(tmp_path: Path) -> StoreConfig:
     return StoreConfig(cache_dir=str(tmp_path / "cache"), doorkeeper_threshold=1)
+
+
+def cli(*args: str) -> None:
+    """The real `cachecraft` command, in its own process."""
+    done = subprocess.run(
+        [sys.executable, "-m", "cachecraft.cli", *args], capture_output=True, text=True, timeout=T
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def post(url: str, documents: list[dict[str, str]], **extra: Any) -> list[dict[str, Any]]:
@@ -63,6 +73,53 @@ def replica(small: LoadedModel, store: StoreConfig) -> Iterator[str]:
     finally:
         close_stack(stack)
         registry.close()
+
+
+def test_chunks_removed_by_the_cli_are_not_listed_after_a_restart(
+    small: LoadedModel, tmp_path: Path
+) -> None:
+    """`cachecraft chunks rm` / `clear` removed the files but not the registry rows: a
+    restarted server listed the chunks (num_variants 0) and DELETE said it deleted them."""
+    store = store_in(tmp_path)
+    cache_dir = str(tmp_path / "cache")
+    with start_server("full", loaded=small, store=store) as url:
+        fr = post(url, [FR], pin=True)[0]
+        de = post(url, [DE])[0]
+        post(url, [FR], cache_namespace="tenant")
+    cli("chunks", "rm", de["chunk_key"], "--cache-dir", cache_dir)
+    with start_server("full", loaded=small, store=store) as url:
+        assert ids(url) == ["fr"] and listed(url)["data"][0]["pinned"]
+        r = httpx.delete(f"{url}/v1/chunks/{de['chunk_key']}", timeout=T)
+        assert "not found" in openai_error(r, 404)["message"]
+    cli("chunks", "clear", "--cache-dir", cache_dir)
+    with start_server("full", loaded=small, store=store) as url:
+        assert listed(url)["data"] == [] and listed(url)["stats"]["num_pinned"] == 0
+        assert listed(url, "?cache_namespace=tenant")["data"] == []
+        r = httpx.delete(f"{url}/v1/chunks/{fr['chunk_key']}", timeout=T)
+        openai_error(r, 404)
+        assert post(url, [FR])[0]["stored"]  # registering goes on as before
+        assert ids(url) == ["fr"] and not listed(url)["data"][0]["pinned"]
+
+
+def test_delete_removes_every_variant_it_counts(small: LoadedModel, tmp_path: Path) -> None:
+    """DELETE /v1/chunks/{key}: the files and index rows go, the answer counts them, a second
+    DELETE is a 404, and a restart does not bring the chunk back."""
+    store = store_in(tmp_path)
+    cache_dir = str(tmp_path / "cache")
+    with start_server("full", loaded=small, store=store) as url:
+        key = post(url, [FR], pin=True)[0]["chunk_key"]
+        post(url, [DE])
+        on_disk = [r["chunk_key"] for r in chunks_command("ls", cache_dir)]  # type: ignore[union-attr]
+        assert key in on_disk
+        r = httpx.delete(f"{url}/v1/chunks/{key}", timeout=T)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"chunk_key": key, "deleted": True, "num_variants": on_disk.count(key)}
+        assert key not in [r["chunk_key"] for r in chunks_command("ls", cache_dir)]  # type: ignore[union-attr]
+        assert len(list(Path(cache_dir).glob("*.safetensors"))) == len(on_disk) - on_disk.count(key)
+        openai_error(httpx.delete(f"{url}/v1/chunks/{key}", timeout=T), 404)
+        assert ids(url) == ["de"] and listed(url)["stats"]["num_pinned"] == 0
+    with start_server("full", loaded=small, store=store) as url:
+        assert ids(url) == ["de"]
 
 
 def test_two_replicas_on_one_directory_list_delete_and_pin_alike(

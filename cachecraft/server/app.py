@@ -199,7 +199,8 @@ def create_app(
     registry: chunks.ChunkRegistry | None = None,
 ) -> FastAPI:
     """`registry`: the chunk registry (`chunks.open_registry`: persistent with a disk tier;
-    default in memory); the pins it records are restored into `store` here."""
+    default in memory); the pins it records are restored into `store` here, and its rows of
+    chunks the store no longer holds are dropped."""
     config = config or ServerConfig()
     # redirect_slashes off: `DELETE /v1/chunks/` is a 404/405, never a 307 to another route
     app = FastAPI(title="cachecraft", version="0.1.0", redirect_slashes=False)
@@ -210,6 +211,7 @@ def create_app(
     num_pins = chunks.restore_pins(store, state.registry)
     if num_pins:
         log.info("restored %d pinned chunk-caches", num_pins)
+    chunks.forget_unstored(store, state.registry)
     # Tokenization (CPU work proportional to the text) runs here, never on the step thread;
     # one worker: HF fast tokenizers are not meant to be shared across threads.
     state.tokenize = ThreadPoolExecutor(1, thread_name_prefix="cachecraft-tokenize")
@@ -466,12 +468,16 @@ def create_app(
         cache_namespace: NamespaceQuery = None,
     ) -> dict[str, Any]:
         scope = scoped(ns, checked(cache_namespace))
+        missing = ApiError(
+            404, f"chunk {chunk_key} not found in this namespace", "invalid_request_error"
+        )
         if chunk_key not in state.registry.keys(scope):
-            raise ApiError(
-                404, f"chunk {chunk_key} not found in this namespace", "invalid_request_error"
-            )
+            raise missing
+        was_pinned = chunk_key in state.registry.pinned_keys(scope)
         removed = await asyncio.wrap_future(engine.call(lambda: store.remove(chunk_key)))
         state.registry.discard(scope, chunk_key)
+        if removed == 0 and not was_pinned:  # a row left behind: nothing was stored (listed)
+            raise missing
         return {"chunk_key": chunk_key, "deleted": True, "num_variants": removed}
 
     # ---- operations -------------------------------------------------------------------------

@@ -1,6 +1,11 @@
-"""Chunk management for the server: the /v1/chunks routes' work (precompute, list) over the
-chunk registry (`server/registry.py`). Pinning is the store's (`ChunkStore.pin`); the registry
-records the pins so a restart restores them (`restore_pins`).
+"""Chunk management for the server: the /v1/chunks routes' work (precompute, list, delete)
+and keeping the chunk registry (`server/registry.py`) in agreement with the store. Pinning is
+the store's (`ChunkStore.pin`); the registry records the pins so a restart restores them.
+
+The store is the truth about what exists: files removed behind the server's back (`cachecraft
+chunks rm` / `clear`, which never touch the registry: the store does not know the server),
+another replica's DELETE, or eviction everywhere leave registry rows whose chunk has no
+variant. Such a row is not listed; at start (`forget_unstored`) and on DELETE it is dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from cachecraft.store.base import ChunkStore, RefusalReason
 __all__ = [
     "REGISTRY_FILE",
     "ChunkRegistry",
+    "forget_unstored",
     "list_chunks",
     "open_registry",
     "precompute",
@@ -56,6 +62,20 @@ def restore_pins(store: ChunkStore, registry: ChunkRegistry) -> int:
             continue
         num_pinned += 1
     return num_pinned
+
+
+def forget_unstored(store: ChunkStore, registry: ChunkRegistry) -> int:
+    """Drop the registry rows of chunks that no tier of `store` holds a variant of and that
+    carry no pin (run after `restore_pins`, which drops the pins of variants gone). Returns how
+    many rows were dropped."""
+    pinned = set(registry.pins().values())
+    num_dropped = 0
+    for namespace, key in registry.entries():
+        if (namespace, key) not in pinned and not store.variants(key):
+            num_dropped += registry.discard(namespace, key)
+    if num_dropped:
+        log.info("chunk registry: %d chunks no longer stored were dropped", num_dropped)
+    return num_dropped
 
 
 def precompute_request(
@@ -115,12 +135,14 @@ async def precompute_async(engine: Engine, *args: Any) -> dict[str, Any]:
 
 
 def list_chunks(store: ChunkStore, registry: ChunkRegistry, namespace: str) -> dict[str, Any]:
-    """The namespace's registered chunks (pinned: by this process or any replica sharing the
-    registry), as GET /v1/chunks answers."""
+    """The namespace's registered chunks that are stored (a variant in some tier, or a pin
+    recorded by any replica), as GET /v1/chunks answers."""
     pinned = store.pinned_chunk_keys() | registry.pinned_keys(namespace)
     data = []
     for key, (label, num_tokens) in sorted(registry.keys(namespace).items()):
         variants = store.variants(key)
+        if not variants and key not in pinned:
+            continue  # removed or evicted everywhere: dropped at the next start or DELETE
         data.append(
             {
                 "chunk_key": key,
