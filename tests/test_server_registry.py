@@ -4,6 +4,7 @@ servers on a tiny random Llama over real cache directories, the real `cachecraft
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server import chunks
 from cachecraft.server.app import create_app
 from cachecraft.server.launch import build_stack, close_stack, serve_app, start_server
+from cachecraft.store.base import ChunkStore
 from cachecraft.store.cli import chunks_command
 from cachecraft.store.config import StoreConfig
 
@@ -63,16 +65,23 @@ def ids(url: str, query: str = "") -> list[str]:
 
 
 @contextlib.contextmanager
-def replica(small: LoadedModel, store: StoreConfig) -> Iterator[str]:
-    """One server process's app (engine, store, registry) over a shared cache directory."""
+def replica_stack(small: LoadedModel, store: StoreConfig) -> Iterator[tuple[str, ChunkStore]]:
+    """One server process's app (engine, store, registry) over a shared cache directory:
+    its URL and its store."""
     stack = build_stack("full", loaded=small, store=store, engine=EngineConfig(mode="full"))
     registry = chunks.open_registry(store)
     try:
         with serve_app(create_app(stack.engine, stack.store, None, registry)) as url:
-            yield url
+            yield url, stack.store
     finally:
         close_stack(stack)
         registry.close()
+
+
+@contextlib.contextmanager
+def replica(small: LoadedModel, store: StoreConfig) -> Iterator[str]:
+    with replica_stack(small, store) as (url, _):
+        yield url
 
 
 def test_chunks_removed_by_the_cli_are_not_listed_after_a_restart(
@@ -144,6 +153,23 @@ def test_two_replicas_on_one_directory_list_delete_and_pin_alike(
     with replica(small, store) as c:  # and what they did together outlives them
         assert ids(c) == ["fr"] and listed(c)["data"][0]["pinned"]
         assert ids(c, "?cache_namespace=tenant") == ["de"]
+
+
+def test_a_pin_deleted_through_another_replica_frees_this_ones_allowance(
+    small: LoadedModel, tmp_path: Path
+) -> None:
+    """Each replica pins in its own memory: after a chunk pinned through B was deleted through
+    A, B kept it pinned (and counted against the namespace's cap) until restarted, so B refused
+    every new pin with "unpin chunks (DELETE /v1/chunks/{chunk_key})" while that DELETE said 404.
+    And A never pinned what B pinned, so A's disk could evict the file a restart pins from."""
+    store = dataclasses.replace(store_in(tmp_path), max_pinned_bytes_per_namespace=6000)
+    with replica_stack(small, store) as (a, a_store), replica_stack(small, store) as (b, b_store):
+        fr = post(b, [FR], pin=True)[0]  # 4,096 bytes: one pin fits under the cap
+        assert ids(a) == ["fr"] and a_store.pinned_chunk_keys() == {fr["chunk_key"]}
+        assert httpx.delete(f"{a}/v1/chunks/{fr['chunk_key']}", timeout=T).status_code == 200
+        de = post(b, [DE], pin=True)[0]  # B's allowance is free again
+        assert b_store.pinned_chunk_keys() == {de["chunk_key"]}
+        assert ids(a) == ["de"] and a_store.pinned_chunk_keys() == {de["chunk_key"]}
 
 
 def test_a_read_only_registry_still_lists_and_registers_in_memory(

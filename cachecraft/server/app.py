@@ -445,6 +445,7 @@ def create_app(
                 "system",
             )
         scope = scoped(ns, body.cache_namespace)
+        await asyncio.to_thread(chunks.sync_pins, store, state.registry)
         rows = []
         for d in body.documents:  # one engine call per document: generation interleaves
             rag = chunks.precompute_request(d.text, d.id, scope, body.system)
@@ -459,6 +460,7 @@ def create_app(
         ns: str = Depends(namespace), cache_namespace: NamespaceQuery = None
     ) -> dict[str, Any]:
         scope = scoped(ns, checked(cache_namespace))
+        await asyncio.to_thread(chunks.sync_pins, store, state.registry)
         return chunks.list_chunks(store, state.registry, scope)
 
     @app.delete("/v1/chunks/{chunk_key}")

@@ -30,6 +30,7 @@ __all__ = [
     "precompute",
     "precompute_async",
     "restore_pins",
+    "sync_pins",
 ]
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,25 @@ def restore_pins(store: ChunkStore, registry: ChunkRegistry) -> int:
             continue
         num_pinned += 1
     return num_pinned
+
+
+def sync_pins(store: ChunkStore, registry: ChunkRegistry) -> None:
+    """Make this process's pins the ones the registry records (replicas sharing it pin and
+    delete through each other): pin what is recorded and can be loaded, release local pins no
+    longer recorded (their variants stay cached, evictable). A recorded pin that cannot be
+    loaded now, or that this process's cap refuses, stays recorded."""
+    recorded = registry.pins()
+    local = store.pinned_variant_ids()
+    for vid in local - recorded.keys():
+        store.unpin(vid)
+    for vid in recorded.keys() - local:
+        variant = store.load(vid)
+        if variant is None:
+            continue
+        try:
+            store.pin(variant, recorded[vid][0])
+        except PinLimitError as e:
+            log.debug("pin of %s recorded by another process not taken here: %s", vid, e)
 
 
 def forget_unstored(store: ChunkStore, registry: ChunkRegistry) -> int:
@@ -110,9 +130,13 @@ def precompute(
         offered = store.offer(variant)
     label = request.chunks[0].id
     registry.add(request.namespace, variant.chunk_key, label, variant.meta.num_tokens)
-    if pin:
-        store.pin(variant, request.namespace)  # PinLimitError: a 400 naming the cap
+    if pin:  # recorded first: a concurrent `sync_pins` must not release the new pin
         registry.pin(request.namespace, variant.chunk_key, variant.variant_id)
+        try:
+            store.pin(variant, request.namespace)  # PinLimitError: a 400 naming the cap
+        except PinLimitError:
+            registry.unpin(variant.variant_id)
+            raise
     row: dict[str, Any] = {
         "id": label,
         "chunk_key": variant.chunk_key,

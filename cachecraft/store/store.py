@@ -543,6 +543,15 @@ class TieredStore:
             self._pinned[vid] = variant
             self._pin_namespace[vid] = namespace
 
+    def unpin(self, variant_id: str) -> bool:
+        with self._lock:
+            self._pin_namespace.pop(variant_id, None)
+            return self._pinned.pop(variant_id, None) is not None
+
+    def pinned_variant_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._pinned)
+
     def pinned_chunk_keys(self) -> set[str]:
         with self._lock:
             return {v.chunk_key for v in self._pinned.values()}
