@@ -260,3 +260,35 @@ def test_a_pinned_variant_keeps_its_disk_file_across_a_restart(tmp_path: Path) -
     got = again.load(pinned.variant_id)
     assert got is not None and torch.equal(got.keys, pinned.keys)
     again.close()
+
+
+def test_a_variant_pinned_after_admission_refused_it_is_still_on_disk(tmp_path: Path) -> None:
+    """`POST /v1/chunks` with `pin` pins a variant even when admission refused it (the
+    doorkeeper, the per-chunk cap): it lived in memory only, so a restart dropped the pin."""
+    config = StoreConfig(
+        cache_dir=str(tmp_path),
+        doorkeeper_threshold=3,
+        admit_all_below=0.0,
+        max_variants_per_chunk=1,
+    )
+    store = TieredStore(config)
+    first = make_variant("c")
+    for _ in range(3):
+        store.record_miss("c")
+    assert store.offer(first).stored
+    for _ in range(3):
+        store.record_hit(first.variant_id, 0.1)
+    second = make_variant("c", s_old=("q",), seed=1)  # refused: the chunk's cap is full
+    assert store.offer(second).reason == "chunk_cap"
+    store.pin(second)
+    fresh = make_variant("new", seed=2)  # refused: seen once, the doorkeeper wants 3
+    assert store.offer(fresh).reason == "doorkeeper"
+    store.pin(fresh)
+    store.check_integrity()  # the unpinned variant of "c" made way for the pinned one
+    assert [m.variant_id for m in store.variants("c")] == [second.variant_id]
+    store.close()
+    again = TieredStore(config)
+    for v in (second, fresh):
+        got = again.load(v.variant_id)
+        assert got is not None and torch.equal(got.values, v.values)
+    again.close()

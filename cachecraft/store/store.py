@@ -402,6 +402,19 @@ class TieredStore:
             self._remove_variant(loser.variant_id, "chunk_cap")
         return True
 
+    def _make_way_in_chunk(self, st: VariantStats) -> None:
+        """Remove the least valuable unpinned variants of `st`'s chunk until it fits under
+        max_variants_per_chunk (a pinned variant is stored whatever admission said). Caller
+        holds the lock."""
+        ids = {v for t in self.ram for v in t.chunk_ids(st.chunk_key)}
+        if self.disk is not None:
+            ids |= {m.variant_id for m in self.disk.metas(st.chunk_key)}
+        ids.discard(st.variant_id)
+        excess = len(ids) + 1 - self.config.max_variants_per_chunk
+        pool = [s for s in (self._stats_of(v) for v in ids - self._pinned.keys()) if s]
+        for loser in self.policy.order(pool, self._tick)[: max(0, excess)]:
+            self._remove_variant(loser.variant_id, "chunk_cap")
+
     def _remove_variant(self, variant_id: str, reason: str) -> None:
         self.eviction_log.append(("*", variant_id, reason))
         for tier in self.ram:
@@ -542,6 +555,19 @@ class TieredStore:
                     )
             self._pinned[vid] = variant
             self._pin_namespace[vid] = namespace
+            on_disk = self.disk is None or vid in self.disk
+            if not on_disk:
+                st = self._stats_of(vid) or VariantStats(
+                    vid, variant.chunk_key, variant.meta.num_tokens, variant.nbytes
+                )
+                self._make_way_in_chunk(st)
+        if not on_disk:  # admission may have refused it: a restart pins it again from disk
+            written, error = self._disk_write(variant, st)
+            if not written:
+                why = error or "no room: the disk holds only pinned variants, or it is too small"
+                logger.warning(
+                    "pinned variant %s is not on disk (%s): unpinned at restart", vid, why
+                )
 
     def unpin(self, variant_id: str) -> bool:
         with self._lock:
