@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -197,3 +198,24 @@ def test_a_read_only_registry_still_lists_and_registers_in_memory(
             assert ids(url) == ["de"]
     finally:
         subprocess.run(["chattr", "-i", *map(str, parts)], check=True)
+
+
+def test_a_registration_made_while_another_process_held_the_lock_is_kept(
+    small: LoadedModel, tmp_path: Path
+) -> None:
+    """A registry write waits at most 1 s for another process's lock; one that gave up was
+    kept in this process's memory only, so the chunk was not listed after a restart (nor by
+    other replicas). It now stays pending and is written once the lock is free."""
+    store = store_in(tmp_path)
+    with start_server("full", loaded=small, store=store) as url:
+        other = sqlite3.connect(tmp_path / "cache" / chunks.REGISTRY_FILE, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another replica in a long write
+        try:
+            post(url, [FR], pin=True)
+            assert ids(url) == ["fr"] and listed(url)["data"][0]["pinned"]  # from memory
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        assert ids(url) == ["fr"]
+    with start_server("full", loaded=small, store=store) as url:
+        assert ids(url) == ["fr"] and listed(url)["data"][0]["pinned"]
