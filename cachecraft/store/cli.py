@@ -3,7 +3,9 @@ disk store.
 
 Owns argument parsing and output (rich table or --json) for the chunk-cache directory; all
 work is done by `DiskTier`. `ls` and `stats` open it read-only: they never create, recover,
-checkpoint or truncate anything. Wire it with `add_chunks_parser(subparsers)`.
+checkpoint or truncate anything. `rm` and `clear` never touch the server's chunk registry
+(the store knows nothing of the server): servers drop the rows of chunks no longer stored
+themselves (`server/chunks.py`). Wire it with `add_chunks_parser(subparsers)`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ def add_chunks_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     for name, help_text in (
         ("ls", "list stored variants"),
         ("stats", "totals of the directory"),
-        ("rm", "remove every variant of the given chunk keys"),
-        ("clear", "remove every variant"),
+        ("rm", "remove every variant of the given chunk keys (servers stop listing them)"),
+        ("clear", "remove every variant (servers stop listing them)"),
         ("reindex", "rebuild the index from the files' headers (never deletes a file)"),
     ):
         p = sub.add_parser(name, help=help_text)
