@@ -26,6 +26,7 @@ from cachecraft.server.launch import build_stack, close_stack, serve_app, start_
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.cli import chunks_command
 from cachecraft.store.config import StoreConfig
+from cachecraft.store.redis_server import RedisServer
 
 FR = {"id": "fr", "text": "Paris is the capital of France."}
 DE = {"id": "de", "text": "Berlin is the capital of Germany."}
@@ -219,3 +220,27 @@ def test_a_registration_made_while_another_process_held_the_lock_is_kept(
         assert ids(url) == ["fr"]
     with start_server("full", loaded=small, store=store) as url:
         assert ids(url) == ["fr"] and listed(url)["data"][0]["pinned"]
+
+
+def test_while_redis_is_down_nothing_is_deleted_or_forgotten_halfway(
+    small: LoadedModel, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """With Redis unreachable, DELETE removed the local copies, skipped Redis's and answered
+    `deleted: true` (the chunk came back from Redis later); and a server starting then saw no
+    variant of a chunk kept only in Redis and dropped its registry row for good."""
+    store = dataclasses.replace(store_in(tmp_path), redis_url=redis_server.url)
+    cache_dir = str(tmp_path / "cache")
+    with start_server("full", loaded=small, store=store) as url:
+        fr, de = post(url, [FR])[0], post(url, [DE])[0]  # memory, disk and Redis
+    cli("chunks", "rm", de["chunk_key"], "--cache-dir", cache_dir)  # Redis keeps its copy
+    redis_server.stop()
+    with start_server("full", loaded=small, store=store) as url:
+        r = httpx.delete(f"{url}/v1/chunks/{fr['chunk_key']}", timeout=T)
+        err = openai_error(r, 503)
+        assert err["code"] == "tier_unreachable" and "redis" in err["message"].lower()
+        assert ids(url) == ["fr"]  # nothing was removed: still listed, still on disk
+        assert [r["chunk_key"] for r in chunks_command("ls", cache_dir)] == [fr["chunk_key"]]  # type: ignore[union-attr]
+    registry = sqlite3.connect(tmp_path / "cache" / chunks.REGISTRY_FILE)
+    rows = {key for (key,) in registry.execute("SELECT chunk_key FROM chunks")}
+    registry.close()
+    assert rows == {fr["chunk_key"], de["chunk_key"]}  # de's row waits for Redis to come back

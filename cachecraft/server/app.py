@@ -4,10 +4,10 @@ store it is given (the one the engine's runner was built with) and never reaches
 Routes: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{model}), /v1/chunks
 (POST, GET, DELETE), /health, /metrics. Every error, the framework's included, has OpenAI's
 shape: 400 bad input (unsupported fields named), 401 bad key, 404 unknown model, chunk or route,
-405 wrong method, 413 body or text over a cap, 429 queue full (Retry-After), 503 engine stopped
-or server shutting down, 500 anything else (and the connection stays open). Prompts are
-tokenized on a worker thread, never on the engine's step thread; /health answers 503 when the
-step thread is dead or stuck.
+405 wrong method, 413 body or text over a cap, 429 queue full (Retry-After), 503 engine stopped,
+server shutting down or (DELETE) Redis unreachable, 500 anything else (and the connection stays
+open). Prompts are tokenized on a worker thread, never on the engine's step thread; /health
+answers 503 when the step thread is dead or stuck.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cachecraft.config import MODES
 from cachecraft.engine.engine import Engine, EngineStopped
 from cachecraft.engine.scheduler import QueueFull
-from cachecraft.errors import CachecraftError
+from cachecraft.errors import CachecraftError, StoreUnavailableError
 from cachecraft.server import chunks
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.generation import (
@@ -476,7 +476,10 @@ def create_app(
         if chunk_key not in state.registry.keys(scope):
             raise missing
         was_pinned = chunk_key in state.registry.pinned_keys(scope)
-        removed = await asyncio.wrap_future(engine.call(lambda: store.remove(chunk_key)))
+        try:
+            removed = await asyncio.wrap_future(engine.call(lambda: store.remove(chunk_key)))
+        except StoreUnavailableError as e:  # nothing removed: the client may retry
+            raise ApiError(503, str(e), "server_error", "tier_unreachable") from None
         state.registry.discard(scope, chunk_key)
         if removed == 0 and not was_pinned:  # a row left behind: nothing was stored (listed)
             raise missing

@@ -87,7 +87,12 @@ def sync_pins(store: ChunkStore, registry: ChunkRegistry) -> None:
 def forget_unstored(store: ChunkStore, registry: ChunkRegistry) -> int:
     """Drop the registry rows of chunks that no tier of `store` holds a variant of and that
     carry no pin (run after `restore_pins`, which drops the pins of variants gone). Returns how
-    many rows were dropped."""
+    many rows were dropped. Drops nothing while a tier is unreachable: the chunk may be
+    stored there."""
+    down = [t.name for t in store.health() if not t.is_reachable]
+    if down:
+        log.warning("chunk registry not reconciled: %s unreachable", ", ".join(down))
+        return 0
     pinned = set(registry.pins().values())
     num_dropped = 0
     for namespace, key in registry.entries():

@@ -137,7 +137,8 @@ class ChunkStore(Protocol):
 
     def remove(self, chunk_key: str) -> int:
         """Unpin and drop every variant of `chunk_key` from every tier; returns how many
-        variant ids were dropped (0 if none)."""
+        variant ids were dropped (0 if none). Raises StoreUnavailableError, having removed
+        nothing, when a shared tier is unreachable (its copies would outlive the removal)."""
         ...
 
     def clear(self) -> None:

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from cachecraft.errors import PinLimitError
+from cachecraft.errors import PinLimitError, StoreUnavailableError
 from cachecraft.store.base import OfferResult, RefusalReason, StorageDtype, TierHealth
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import DiskTier
@@ -603,6 +603,11 @@ class TieredStore:
         return self.ram[0].nbytes
 
     def remove(self, chunk_key: str) -> int:
+        if self.redis is not None and not self.redis.is_reachable:
+            raise StoreUnavailableError(
+                f"redis {self.redis.url} is unreachable: its copies of chunk {chunk_key} cannot "
+                "be removed, so nothing was removed; retry when it is back"
+            )
         with self._lock:
             ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
             for i in ids:
