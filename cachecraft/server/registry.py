@@ -39,6 +39,9 @@ class ChunkRegistry:
     before the next access. While any is pending, or a read fails, the memory view answers: a
     failing file never fails a request and never loses what this process registered."""
 
+    RETRY_S = 2.0
+    """How long the memory view answers after the file refused a write."""
+
     def __init__(self, path: str | Path | None = None) -> None:
         self._keys: dict[str, dict[str, Entry]] = {}
         self._pins: dict[str, tuple[str, str]] = {}  # variant id -> (namespace, chunk key)
@@ -46,6 +49,7 @@ class ChunkRegistry:
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
         self._is_failing = False
+        self._retry_at = 0.0  # after a refused write: the memory view answers until then
         if path is not None:
             self._open(Path(path))
 
@@ -107,10 +111,13 @@ class ChunkRegistry:
             )
         self._is_failing = True
 
-    def _flush(self) -> bool:
+    def _flush(self, force: bool = False) -> bool:
         """Apply the pending writes in order; True when the file is up to date with this
-        process. Caller holds the lock."""
+        process. After a refused write the next try waits RETRY_S (unless `force`), so a
+        locked file costs one busy wait per RETRY_S, not one per call. Caller holds the lock."""
         if self._db is None:
+            return False
+        if self._pending and not force and time.monotonic() < self._retry_at:
             return False
         while self._pending:
             sql, args = self._pending[0]
@@ -118,6 +125,7 @@ class ChunkRegistry:
                 self._db.execute(sql, args)
             except sqlite3.Error as e:
                 self._failed("write", e)
+                self._retry_at = time.monotonic() + self.RETRY_S
                 return False
             self._pending.pop(0)
         return True
@@ -234,7 +242,8 @@ class ChunkRegistry:
     def close(self) -> None:
         with self._lock:
             if self._db is not None:
-                self._flush()
+                if not self._flush(force=True):
+                    log.warning("chunk registry: %d writes lost at close", len(self._pending))
                 self._db.close()
                 self._db = None
 
