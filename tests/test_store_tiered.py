@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -292,3 +294,28 @@ def test_a_variant_pinned_after_admission_refused_it_is_still_on_disk(tmp_path: 
         got = again.load(v.variant_id)
         assert got is not None and torch.equal(got.values, v.values)
     again.close()
+
+
+@pytest.mark.parametrize("read", ["load", "prefetch"])
+def test_a_removal_during_a_disk_read_is_not_undone_by_it(tmp_path: Path, read: str) -> None:
+    """A read from disk (a request's prefetch, a load) runs without the store lock and put
+    what it read into memory when done: a `remove` of the chunk meanwhile (DELETE
+    /v1/chunks) was undone, the variant listed and served again from memory."""
+    config = StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1, memory_bytes=1 << 30)
+    big = make_variant("c", num_tokens=2048, num_layers=8, num_heads=4, head_dim=64)  # 32 MiB
+    first = TieredStore(config)
+    assert first.offer(big).stored
+    first.close()
+    store = TieredStore(config)  # a restart: the variant is on disk only
+    reading = threading.Thread(
+        target=store.load if read == "load" else store.prefetch,
+        args=(big.variant_id,) if read == "load" else ([big.variant_id],),
+    )
+    reading.start()
+    time.sleep(0.01)  # the read is under way (32 MiB take longer than this)
+    assert store.remove("c") == 1
+    reading.join()
+    store.wait_prefetch()
+    assert store.variants("c") == [] and store.load(big.variant_id) is None
+    store.check_integrity()
+    store.close()

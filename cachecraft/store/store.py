@@ -78,6 +78,10 @@ class TieredStore:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-prefetch")
         self._inflight: dict[str, Future[float]] = {}
         self._prefetched: dict[str, float] = {}  # id -> background load seconds, not yet used
+        # Slow reads run without the lock; a removal meanwhile must not be undone by placing
+        # what they read: id -> reads in flight, and the ids removed during one.
+        self._reading: dict[str, int] = {}
+        self._removed_while_read: set[str] = set()
         self._stats = StoreStats()
         self.eviction_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
         """(tier, variant_id, reason) of recent evictions, oldest first (tests, debugging)."""
@@ -135,6 +139,8 @@ class TieredStore:
                     return self.ram[0].get(variant_id) or variant
         variant, tier_name = self._fetch_slow(variant_id)
         with self._lock:
+            if variant is not None and self._removed_during_read(variant_id):
+                variant = None
             if variant is None:
                 self._stats.load_misses += 1
                 if not self._is_local(variant_id):
@@ -242,6 +248,8 @@ class TieredStore:
         with self._lock:
             self._stats.prefetch_loads += 1
             self._stats.prefetch_load_s += took
+            if variant is not None and self._removed_during_read(variant_id):
+                variant = None
             if variant is not None and self._place(variant):
                 self._prefetched[variant_id] = took
         return took
@@ -417,6 +425,8 @@ class TieredStore:
 
     def _remove_variant(self, variant_id: str, reason: str) -> None:
         self.eviction_log.append(("*", variant_id, reason))
+        if variant_id in self._reading:
+            self._removed_while_read.add(variant_id)
         for tier in self.ram:
             if tier.delete(variant_id):
                 self._stats.evictions[f"{tier.name}:{reason}"] += 1
@@ -427,8 +437,31 @@ class TieredStore:
         self._stats_by_id.pop(variant_id, None)
         self.tally.forget(variant_id)
 
+    def _removed_during_read(self, variant_id: str) -> bool:
+        """End one slow read of `variant_id` (`_fetch_slow`): True if the variant was removed
+        while it ran (then what it read must not be placed anywhere). Caller holds the lock."""
+        left = self._reading.get(variant_id, 0) - 1
+        removed = variant_id in self._removed_while_read
+        if left > 0:
+            self._reading[variant_id] = left
+        else:
+            self._reading.pop(variant_id, None)
+            self._removed_while_read.discard(variant_id)
+        return removed
+
     def _fetch_slow(self, variant_id: str) -> tuple[Variant | None, str]:
-        """Disk, then Redis (a Redis hit is copied to local disk). No store lock held."""
+        """Disk, then Redis (a Redis hit is copied to local disk). No store lock held. Counts
+        as a read in flight: the caller ends it with `_removed_during_read` under the lock."""
+        with self._lock:
+            self._reading[variant_id] = self._reading.get(variant_id, 0) + 1
+        try:
+            return self._read_slow(variant_id)
+        except BaseException:
+            with self._lock:
+                self._removed_during_read(variant_id)
+            raise
+
+    def _read_slow(self, variant_id: str) -> tuple[Variant | None, str]:
         device = self.config.device
         if self.disk is not None:
             variant = self.disk.get(variant_id, device)
@@ -444,10 +477,12 @@ class TieredStore:
             else:
                 if self.disk is not None:
                     with self._lock:
+                        removed = variant_id in self._removed_while_read
                         st = self._stats_of(variant_id) or VariantStats(
                             variant_id, variant.chunk_key, variant.meta.num_tokens, variant.nbytes
                         )
-                    self._disk_put(variant, st)
+                    if not removed:
+                        self._disk_put(variant, st)
                 return variant, "redis"
         return None, ""
 
@@ -624,6 +659,7 @@ class TieredStore:
 
     def clear(self) -> None:
         with self._lock:
+            self._removed_while_read |= self._reading.keys()
             self._pinned.clear()
             self._pin_namespace.clear()
             for tier in self.ram:
