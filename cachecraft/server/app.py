@@ -460,8 +460,12 @@ def create_app(
         ns: str = Depends(namespace), cache_namespace: NamespaceQuery = None
     ) -> dict[str, Any]:
         scope = scoped(ns, checked(cache_namespace))
-        await asyncio.to_thread(chunks.sync_pins, store, state.registry)
-        return chunks.list_chunks(store, state.registry, scope)
+
+        def listing() -> dict[str, Any]:  # a store lookup per chunk: off the event loop
+            chunks.sync_pins(store, state.registry)
+            return chunks.list_chunks(store, state.registry, scope)
+
+        return await asyncio.to_thread(listing)
 
     @app.delete("/v1/chunks/{chunk_key}")
     async def delete_chunk(
