@@ -244,3 +244,20 @@ def test_while_redis_is_down_nothing_is_deleted_or_forgotten_halfway(
     rows = {key for (key,) in registry.execute("SELECT chunk_key FROM chunks")}
     registry.close()
     assert rows == {fr["chunk_key"], de["chunk_key"]}  # de's row waits for Redis to come back
+
+
+def test_a_pin_past_the_cap_names_the_document_and_what_was_pinned(
+    small: LoadedModel, tmp_path: Path
+) -> None:
+    """Several documents with `pin` where one passes the namespace's cap: the 400 did not say
+    which document, nor that the ones before it had been precomputed and pinned."""
+    store = dataclasses.replace(store_in(tmp_path), max_pinned_bytes_per_namespace=6000)
+    with start_server("full", loaded=small, store=store) as url:
+        body = {"documents": [FR, DE], "pin": True}
+        err = openai_error(httpx.post(url + "/v1/chunks", json=body, timeout=T), 400)
+        assert err["param"] == "documents.1" and err["code"] == "pin_limit"
+        assert "max_pinned_bytes_per_namespace" in err["message"]
+        assert "precomputed but not pinned" in err["message"]
+        assert "documents.0 was precomputed and pinned" in err["message"]
+        assert sorted(ids(url)) == ["de", "fr"]  # both precomputed, only fr pinned
+        assert [d["id"] for d in listed(url)["data"] if d["pinned"]] == ["fr"]

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cachecraft.config import MODES
 from cachecraft.engine.engine import Engine, EngineStopped
 from cachecraft.engine.scheduler import QueueFull
-from cachecraft.errors import CachecraftError, StoreUnavailableError
+from cachecraft.errors import CachecraftError, PinLimitError, StoreUnavailableError
 from cachecraft.server import chunks
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.generation import (
@@ -447,12 +447,20 @@ def create_app(
         scope = scoped(ns, body.cache_namespace)
         await asyncio.to_thread(chunks.sync_pins, store, state.registry)
         rows = []
-        for d in body.documents:  # one engine call per document: generation interleaves
+        for i, d in enumerate(body.documents):  # one engine call each: generation interleaves
             rag = chunks.precompute_request(d.text, d.id, scope, body.system)
             layout = await tokenized(rag)
-            rows.append(
-                await chunks.precompute_async(engine, store, state.registry, rag, layout, body.pin)
-            )
+            try:
+                rows.append(
+                    await chunks.precompute_async(
+                        engine, store, state.registry, rag, layout, body.pin
+                    )
+                )
+            except PinLimitError as e:  # say what was done: the documents before it are pinned
+                message = chunks.pin_refused(i, len(body.documents), e)
+                raise ApiError(
+                    400, message, "invalid_request_error", "pin_limit", f"documents.{i}"
+                ) from None
         return {"object": "list", "data": rows}
 
     @app.get("/v1/chunks")

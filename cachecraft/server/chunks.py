@@ -27,6 +27,7 @@ __all__ = [
     "forget_unstored",
     "list_chunks",
     "open_registry",
+    "pin_refused",
     "precompute",
     "precompute_async",
     "restore_pins",
@@ -157,6 +158,19 @@ def precompute(
         row["not_stored_reason"] = offered.reason
         row["not_stored_detail"] = REFUSALS[offered.reason]
     return row
+
+
+def pin_refused(index: int, num_documents: int, error: PinLimitError) -> str:
+    """The 400's words when document `index` of a `POST /v1/chunks` with `pin` passes the cap:
+    it was precomputed but not pinned, the ones before it were pinned, the rest not done."""
+    parts = [f"documents.{index}: {error}. It was precomputed but not pinned"]
+    if index == 1:
+        parts.append("documents.0 was precomputed and pinned")
+    elif index > 1:
+        parts.append(f"documents.0 to documents.{index - 1} were precomputed and pinned")
+    if index < num_documents - 1:
+        parts.append("the documents after it were not processed")
+    return "; ".join(parts)
 
 
 async def precompute_async(engine: Engine, *args: Any) -> dict[str, Any]:
