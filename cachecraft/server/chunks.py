@@ -3,9 +3,11 @@ and keeping the chunk registry (`server/registry.py`) in agreement with the stor
 the store's (`ChunkStore.pin`); the registry records the pins so a restart restores them.
 
 The store is the truth about what exists: files removed behind the server's back (`cachecraft
-chunks rm` / `clear`, which never touch the registry: the store does not know the server),
-another replica's DELETE, or eviction everywhere leave registry rows whose chunk has no
-variant. Such a row is not listed; at start (`forget_unstored`) and on DELETE it is dropped.
+chunks rm` / `clear`, which never touch the registry: the store does not know the server) or
+eviction everywhere leave registry rows whose chunk has no variant. Such a row is not listed;
+at start (`forget_unstored`) and on DELETE it is dropped. Replicas sharing the registry pin and
+delete through each other: each takes up or releases those pins on its next /v1/chunks call
+(`sync_pins`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cachecraft.server.registry import REGISTRY_FILE, ChunkRegistry, open_regist
 from cachecraft.store.base import ChunkStore, RefusalReason
 
 __all__ = [
+    "REFUSALS",
     "REGISTRY_FILE",
     "ChunkRegistry",
     "forget_unstored",
@@ -30,6 +33,7 @@ __all__ = [
     "pin_refused",
     "precompute",
     "precompute_async",
+    "precompute_request",
     "restore_pins",
     "sync_pins",
 ]
