@@ -319,3 +319,20 @@ def test_a_removal_during_a_disk_read_is_not_undone_by_it(tmp_path: Path, read: 
     assert store.variants("c") == [] and store.load(big.variant_id) is None
     store.check_integrity()
     store.close()
+
+
+def test_a_variant_read_while_missing_then_stored_again_loads(tmp_path: Path) -> None:
+    """A read that found nothing must end too: otherwise the variant counted as read forever
+    and, once removed and stored again, every later read of it from disk was dropped."""
+    config = StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1, memory_bytes=SIZE // 2)
+    store = TieredStore(config)  # memory too small: every read goes to disk
+    v = make_variant("c")
+    assert store.load(v.variant_id) is None  # not stored yet
+    store.prefetch([v.variant_id])
+    store.wait_prefetch()
+    assert store.offer(v).stored
+    assert store.remove("c") == 1
+    assert store.offer(v).stored
+    got = store.load(v.variant_id)
+    assert got is not None and torch.equal(got.keys, v.keys)
+    store.close()

@@ -139,7 +139,7 @@ class TieredStore:
                     return self.ram[0].get(variant_id) or variant
         variant, tier_name = self._fetch_slow(variant_id)
         with self._lock:
-            if variant is not None and self._removed_during_read(variant_id):
+            if self._removed_during_read(variant_id):
                 variant = None
             if variant is None:
                 self._stats.load_misses += 1
@@ -248,7 +248,7 @@ class TieredStore:
         with self._lock:
             self._stats.prefetch_loads += 1
             self._stats.prefetch_load_s += took
-            if variant is not None and self._removed_during_read(variant_id):
+            if self._removed_during_read(variant_id):
                 variant = None
             if variant is not None and self._place(variant):
                 self._prefetched[variant_id] = took
