@@ -261,3 +261,31 @@ def test_a_pin_past_the_cap_names_the_document_and_what_was_pinned(
         assert "documents.0 was precomputed and pinned" in err["message"]
         assert sorted(ids(url)) == ["de", "fr"]  # both precomputed, only fr pinned
         assert [d["id"] for d in listed(url)["data"] if d["pinned"]] == ["fr"]
+
+
+def test_a_chunk_deleted_through_one_replica_is_not_served_by_another(
+    small: LoadedModel, tmp_path: Path
+) -> None:
+    """DELETE through A removed the files and A's memory copies; B kept the copy its last
+    request had read into memory and served the next request from it (a hit right after
+    `deleted: true`)."""
+
+    def ask(url: str) -> bool:
+        body = {
+            "model": "cachecraft",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "Which city?"}],
+            "documents": [FR],
+            "cachecraft_mode": "cachecraft",
+        }
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=T)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["cachecraft"]["chunks"][0]["is_hit"]
+
+    store = store_in(tmp_path)
+    with replica_stack(small, store) as (a, _), replica_stack(small, store) as (b, b_store):
+        key = post(a, [FR])[0]["chunk_key"]
+        assert ask(b)  # B read it from the shared disk into its memory
+        assert httpx.delete(f"{a}/v1/chunks/{key}", timeout=T).status_code == 200
+        assert b_store.variants(key) != []  # B's memory copy, until B hears of the DELETE
+        assert not ask(b)

@@ -374,6 +374,8 @@ def create_app(
         check_documents(body.documents)
         ns = scoped(base_ns, body.cache_namespace)
         rag = to_rag(body, ns)
+        if rag.chunks:  # what other replicas deleted must not be served from memory here
+            await asyncio.to_thread(chunks.follow_registry, store, state.registry)
         sampling = sampling_of(body, config)
         layout = await tokenized(rag)
         loop = asyncio.get_running_loop()
@@ -445,7 +447,7 @@ def create_app(
                 "system",
             )
         scope = scoped(ns, body.cache_namespace)
-        await asyncio.to_thread(chunks.sync_pins, store, state.registry)
+        await asyncio.to_thread(chunks.follow_registry, store, state.registry)
         rows = []
         for i, d in enumerate(body.documents):  # one engine call each: generation interleaves
             rag = chunks.precompute_request(d.text, d.id, scope, body.system)
@@ -470,7 +472,7 @@ def create_app(
         scope = scoped(ns, checked(cache_namespace))
 
         def listing() -> dict[str, Any]:  # a store lookup per chunk: off the event loop
-            chunks.sync_pins(store, state.registry)
+            chunks.follow_registry(store, state.registry)
             return chunks.list_chunks(store, state.registry, scope)
 
         return await asyncio.to_thread(listing)
@@ -493,6 +495,7 @@ def create_app(
         except StoreUnavailableError as e:  # nothing removed: the client may retry
             raise ApiError(503, str(e), "server_error", "tier_unreachable") from None
         state.registry.discard(scope, chunk_key)
+        state.registry.record_removal(chunk_key)  # other replicas drop their memory copies
         if removed == 0 and not was_pinned:  # a row left behind: nothing was stored (listed)
             raise missing
         return {"chunk_key": chunk_key, "deleted": True, "num_variants": removed}

@@ -6,8 +6,9 @@ The store is the truth about what exists: files removed behind the server's back
 chunks rm` / `clear`, which never touch the registry: the store does not know the server) or
 eviction everywhere leave registry rows whose chunk has no variant. Such a row is not listed;
 at start (`forget_unstored`) and on DELETE it is dropped. Replicas sharing the registry pin and
-delete through each other: each takes up or releases those pins on its next /v1/chunks call
-(`sync_pins`).
+delete through each other: before each request that uses or lists chunks, a replica drops its
+memory copies of chunks another deleted and takes up or releases the pins others made or
+deleted (`follow_registry`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "REFUSALS",
     "REGISTRY_FILE",
     "ChunkRegistry",
+    "follow_registry",
     "forget_unstored",
     "list_chunks",
     "open_registry",
@@ -68,6 +70,15 @@ def restore_pins(store: ChunkStore, registry: ChunkRegistry) -> int:
             continue
         num_pinned += 1
     return num_pinned
+
+
+def follow_registry(store: ChunkStore, registry: ChunkRegistry) -> None:
+    """Catch up with what other processes sharing the registry did: drop this process's
+    memory copies of chunks they deleted, then `sync_pins`. Cheap (two indexed reads) unless
+    there is something to do; runs before each request that uses or lists chunks."""
+    for key in registry.removals():
+        store.forget_in_memory(key)
+    sync_pins(store, registry)
 
 
 def sync_pins(store: ChunkStore, registry: ChunkRegistry) -> None:

@@ -41,6 +41,8 @@ class ChunkRegistry:
 
     RETRY_S = 2.0
     """How long the memory view answers after the file refused a write."""
+    KEEP_REMOVALS_S = 24 * 3600.0
+    """How long a removal is kept for other processes to hear of (`removals`)."""
 
     def __init__(self, path: str | Path | None = None) -> None:
         self._keys: dict[str, dict[str, Entry]] = {}
@@ -50,6 +52,8 @@ class ChunkRegistry:
         self._db: sqlite3.Connection | None = None
         self._is_failing = False
         self._retry_at = 0.0  # after a refused write: the memory view answers until then
+        self._removal_seq = 0  # the last removal seen (`removals`)
+        self._own_removals: set[int] = set()
         if path is not None:
             self._open(Path(path))
 
@@ -94,6 +98,14 @@ class ChunkRegistry:
                 "CREATE TABLE IF NOT EXISTS pins (variant_id TEXT PRIMARY KEY, namespace TEXT,"
                 " chunk_key TEXT)"
             )
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS removals (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+                " chunk_key TEXT NOT NULL, at REAL NOT NULL)"
+            )
+            # a starting process holds nothing in memory: earlier removals do not concern it
+            self._removal_seq = db.execute("SELECT COALESCE(MAX(seq), 0) FROM removals").fetchone()[
+                0
+            ]
             for ns, key, label, n in db.execute("SELECT * FROM chunks"):
                 self._keys.setdefault(ns, {})[key] = (label, int(n))
             for vid, ns, key in db.execute("SELECT * FROM pins"):
@@ -213,6 +225,39 @@ class ChunkRegistry:
                 "DELETE FROM chunks WHERE namespace=? AND chunk_key=?", (namespace, chunk_key)
             )
             return existed
+
+    # -- removals -------------------------------------------------------------------------
+    def record_removal(self, chunk_key: str) -> None:
+        """Tell the other processes sharing the file that this process removed every variant
+        of `chunk_key` from the shared tiers: they drop their memory copies (`removals`).
+        Without a file, or if the write fails (logged), nobody else hears of it."""
+        with self._lock:
+            if self._db is None:
+                return
+            now = time.time()
+            try:
+                cur = self._db.execute(
+                    "INSERT INTO removals (chunk_key, at) VALUES (?, ?)", (chunk_key, now)
+                )
+                self._own_removals.add(int(cur.lastrowid or 0))
+                self._db.execute("DELETE FROM removals WHERE at < ?", (now - self.KEEP_REMOVALS_S,))
+            except sqlite3.Error as e:
+                self._failed("write", e)
+
+    def removals(self) -> list[str]:
+        """Chunk keys other processes removed since the last call (or since this one
+        opened the file); [] without a file or while it cannot be read."""
+        with self._lock:
+            rows = self._read(
+                "SELECT seq, chunk_key FROM removals WHERE seq > ? ORDER BY seq",
+                (self._removal_seq,),
+            )
+            if not rows:
+                return []
+            self._removal_seq = int(rows[-1][0])
+            keys = [key for seq, key in rows if seq not in self._own_removals]
+            self._own_removals = {seq for seq in self._own_removals if seq > self._removal_seq}
+            return keys
 
     # -- pins -----------------------------------------------------------------------------
     def pin(self, namespace: str, chunk_key: str, variant_id: str) -> None:

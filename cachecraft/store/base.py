@@ -141,6 +141,12 @@ class ChunkStore(Protocol):
         nothing, when a shared tier is unreachable (its copies would outlive the removal)."""
         ...
 
+    def forget_in_memory(self, chunk_key: str) -> int:
+        """Unpin and drop every variant of `chunk_key` from this process's memory tiers only,
+        leaving disk and Redis as they are (another process sharing them removed it there);
+        returns how many variant ids were dropped."""
+        ...
+
     def clear(self) -> None:
         """Drop every variant (pinned ones too) from every tier, shared tiers included."""
         ...

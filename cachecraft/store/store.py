@@ -657,6 +657,23 @@ class TieredStore:
                 self._remove_variant(vid, "removed")
             return len(ids)
 
+    def forget_in_memory(self, chunk_key: str) -> int:
+        with self._lock:
+            ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
+            for i in ids:
+                del self._pinned[i]
+                self._pin_namespace.pop(i, None)
+            ids |= {v for t in self.ram for v in t.chunk_ids(chunk_key)}
+            for vid in ids:
+                if vid in self._reading:
+                    self._removed_while_read.add(vid)
+                for tier in self.ram:
+                    if tier.delete(vid):
+                        self._stats.evictions[f"{tier.name}:removed"] += 1
+                if not self._is_local(vid):
+                    self._stats_by_id.pop(vid, None)
+            return len(ids)
+
     def clear(self) -> None:
         with self._lock:
             self._removed_while_read |= self._reading.keys()
