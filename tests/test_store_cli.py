@@ -50,7 +50,7 @@ def test_tables_render(cache_dir: str, capsys: pytest.CaptureFixture[str]) -> No
 
 def test_rm_and_clear(cache_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(run(["chunks", "rm", "a", "--cache-dir", cache_dir, "--json"], capsys))
-    assert out == {"removed": 2}
+    assert out == {"removed": 2, "not_found": []}
     assert [r["chunk_key"] for r in chunks_command("ls", cache_dir)] == ["b"]  # type: ignore[union-attr]
     out = json.loads(run(["chunks", "clear", "--cache-dir", cache_dir, "--json"], capsys))
     assert out == {"removed": 1}
@@ -61,3 +61,13 @@ def test_rm_and_clear(cache_dir: str, capsys: pytest.CaptureFixture[str]) -> Non
 def test_missing_directory_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(StoreUnavailableError, match="no chunk-cache directory"):
         chunks_command("ls", str(tmp_path / "nope"))
+
+
+def test_rm_names_the_keys_it_did_not_find(
+    cache_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped key was answered `{"removed": 0}` like any other: nothing said which key
+    matched nothing."""
+    argv = ["chunks", "rm", "b", "nope", "b", "--cache-dir", cache_dir]
+    assert json.loads(run([*argv, "--json"], capsys)) == {"removed": 1, "not_found": ["nope"]}
+    assert "nope" in run(argv, capsys)  # the table too; b is gone by now

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -226,3 +228,111 @@ def test_health_lists_each_configured_tier(tmp_path: Path) -> None:
     assert health["memory"].nbytes == SIZE
     store.close()
     store.close()  # idempotent
+
+
+def test_a_pinned_variant_keeps_its_disk_file_across_a_restart(tmp_path: Path) -> None:
+    """Pins are restored after a restart from the disk copy (`chunks.restore_pins`), but the
+    disk evicted a pinned variant's file for capacity like any other, and the per-chunk cap
+    could remove it too: after a restart the pin was dropped and the chunk-cache was gone."""
+    probe = TieredStore(StoreConfig(cache_dir=str(tmp_path / "probe"), doorkeeper_threshold=1))
+    assert probe.offer(make_variant("size")).stored
+    file_bytes = probe.disk.nbytes  # type: ignore[union-attr]
+    probe.close()
+    config = StoreConfig(
+        memory_bytes=SIZE,
+        cache_dir=str(tmp_path / "cache"),
+        disk_bytes=3 * file_bytes,
+        doorkeeper_threshold=1,
+        admit_all_below=1.0,
+        max_variants_per_chunk=1,
+        policy="lru",
+    )
+    store = TieredStore(config)
+    pinned = make_variant("p")
+    assert store.offer(pinned).stored
+    store.pin(pinned)
+    for i in range(6):  # three files fit: the unpinned ones make room for each other
+        assert store.offer(make_variant(f"o{i}", seed=i + 1)).stored
+    # another variant of the pinned chunk past max_variants_per_chunk=1: the pinned one stays
+    store.offer(make_variant("p", s_old=("q",), seed=9))
+    store.check_integrity()
+    assert pinned.variant_id in store.disk  # type: ignore[operator]
+    store.close()
+    again = TieredStore(config)  # a restart: memory is empty, the disk copy is what is left
+    got = again.load(pinned.variant_id)
+    assert got is not None and torch.equal(got.keys, pinned.keys)
+    again.close()
+
+
+def test_a_variant_pinned_after_admission_refused_it_is_still_on_disk(tmp_path: Path) -> None:
+    """`POST /v1/chunks` with `pin` pins a variant even when admission refused it (the
+    doorkeeper, the per-chunk cap): it lived in memory only, so a restart dropped the pin."""
+    config = StoreConfig(
+        cache_dir=str(tmp_path),
+        doorkeeper_threshold=3,
+        admit_all_below=0.0,
+        max_variants_per_chunk=1,
+    )
+    store = TieredStore(config)
+    first = make_variant("c")
+    for _ in range(3):
+        store.record_miss("c")
+    assert store.offer(first).stored
+    for _ in range(3):
+        store.record_hit(first.variant_id, 0.1)
+    second = make_variant("c", s_old=("q",), seed=1)  # refused: the chunk's cap is full
+    assert store.offer(second).reason == "chunk_cap"
+    store.pin(second)
+    fresh = make_variant("new", seed=2)  # refused: seen once, the doorkeeper wants 3
+    assert store.offer(fresh).reason == "doorkeeper"
+    store.pin(fresh)
+    store.check_integrity()  # the unpinned variant of "c" made way for the pinned one
+    assert [m.variant_id for m in store.variants("c")] == [second.variant_id]
+    store.close()
+    again = TieredStore(config)
+    for v in (second, fresh):
+        got = again.load(v.variant_id)
+        assert got is not None and torch.equal(got.values, v.values)
+    again.close()
+
+
+@pytest.mark.parametrize("read", ["load", "prefetch"])
+def test_a_removal_during_a_disk_read_is_not_undone_by_it(tmp_path: Path, read: str) -> None:
+    """A read from disk (a request's prefetch, a load) runs without the store lock and put
+    what it read into memory when done: a `remove` of the chunk meanwhile (DELETE
+    /v1/chunks) was undone, the variant listed and served again from memory."""
+    config = StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1, memory_bytes=1 << 30)
+    big = make_variant("c", num_tokens=2048, num_layers=8, num_heads=4, head_dim=64)  # 32 MiB
+    first = TieredStore(config)
+    assert first.offer(big).stored
+    first.close()
+    store = TieredStore(config)  # a restart: the variant is on disk only
+    reading = threading.Thread(
+        target=store.load if read == "load" else store.prefetch,
+        args=(big.variant_id,) if read == "load" else ([big.variant_id],),
+    )
+    reading.start()
+    time.sleep(0.01)  # the read is under way (32 MiB take longer than this)
+    assert store.remove("c") == 1
+    reading.join()
+    store.wait_prefetch()
+    assert store.variants("c") == [] and store.load(big.variant_id) is None
+    store.check_integrity()
+    store.close()
+
+
+def test_a_variant_read_while_missing_then_stored_again_loads(tmp_path: Path) -> None:
+    """A read that found nothing must end too: otherwise the variant counted as read forever
+    and, once removed and stored again, every later read of it from disk was dropped."""
+    config = StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1, memory_bytes=SIZE // 2)
+    store = TieredStore(config)  # memory too small: every read goes to disk
+    v = make_variant("c")
+    assert store.load(v.variant_id) is None  # not stored yet
+    store.prefetch([v.variant_id])
+    store.wait_prefetch()
+    assert store.offer(v).stored
+    assert store.remove("c") == 1
+    assert store.offer(v).stored
+    got = store.load(v.variant_id)
+    assert got is not None and torch.equal(got.keys, v.keys)
+    store.close()

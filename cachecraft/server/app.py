@@ -4,10 +4,10 @@ store it is given (the one the engine's runner was built with) and never reaches
 Routes: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{model}), /v1/chunks
 (POST, GET, DELETE), /health, /metrics. Every error, the framework's included, has OpenAI's
 shape: 400 bad input (unsupported fields named), 401 bad key, 404 unknown model, chunk or route,
-405 wrong method, 413 body or text over a cap, 429 queue full (Retry-After), 503 engine stopped
-or server shutting down, 500 anything else (and the connection stays open). Prompts are
-tokenized on a worker thread, never on the engine's step thread; /health answers 503 when the
-step thread is dead or stuck.
+405 wrong method, 413 body or text over a cap, 429 queue full (Retry-After), 503 engine stopped,
+server shutting down or (DELETE) Redis unreachable, 500 anything else (and the connection stays
+open). Prompts are tokenized on a worker thread, never on the engine's step thread; /health
+answers 503 when the step thread is dead or stuck.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cachecraft.config import MODES
 from cachecraft.engine.engine import Engine, EngineStopped
 from cachecraft.engine.scheduler import QueueFull
-from cachecraft.errors import CachecraftError
+from cachecraft.errors import CachecraftError, PinLimitError, StoreUnavailableError
 from cachecraft.server import chunks
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.generation import (
@@ -199,7 +199,8 @@ def create_app(
     registry: chunks.ChunkRegistry | None = None,
 ) -> FastAPI:
     """`registry`: the chunk registry (`chunks.open_registry`: persistent with a disk tier;
-    default in memory); the pins it records are restored into `store` here."""
+    default in memory); the pins it records are restored into `store` here, and its rows of
+    chunks the store no longer holds are dropped."""
     config = config or ServerConfig()
     # redirect_slashes off: `DELETE /v1/chunks/` is a 404/405, never a 307 to another route
     app = FastAPI(title="cachecraft", version="0.1.0", redirect_slashes=False)
@@ -210,6 +211,7 @@ def create_app(
     num_pins = chunks.restore_pins(store, state.registry)
     if num_pins:
         log.info("restored %d pinned chunk-caches", num_pins)
+    chunks.forget_unstored(store, state.registry)
     # Tokenization (CPU work proportional to the text) runs here, never on the step thread;
     # one worker: HF fast tokenizers are not meant to be shared across threads.
     state.tokenize = ThreadPoolExecutor(1, thread_name_prefix="cachecraft-tokenize")
@@ -372,6 +374,8 @@ def create_app(
         check_documents(body.documents)
         ns = scoped(base_ns, body.cache_namespace)
         rag = to_rag(body, ns)
+        if rag.chunks:  # what other replicas deleted must not be served from memory here
+            await asyncio.to_thread(chunks.follow_registry, store, state.registry)
         sampling = sampling_of(body, config)
         layout = await tokenized(rag)
         loop = asyncio.get_running_loop()
@@ -443,13 +447,22 @@ def create_app(
                 "system",
             )
         scope = scoped(ns, body.cache_namespace)
+        await asyncio.to_thread(chunks.follow_registry, store, state.registry)
         rows = []
-        for d in body.documents:  # one engine call per document: generation interleaves
+        for i, d in enumerate(body.documents):  # one engine call each: generation interleaves
             rag = chunks.precompute_request(d.text, d.id, scope, body.system)
             layout = await tokenized(rag)
-            rows.append(
-                await chunks.precompute_async(engine, store, state.registry, rag, layout, body.pin)
-            )
+            try:
+                rows.append(
+                    await chunks.precompute_async(
+                        engine, store, state.registry, rag, layout, body.pin
+                    )
+                )
+            except PinLimitError as e:  # say what was done: the documents before it are pinned
+                message = chunks.pin_refused(i, len(body.documents), e)
+                raise ApiError(
+                    400, message, "invalid_request_error", "pin_limit", f"documents.{i}"
+                ) from None
         return {"object": "list", "data": rows}
 
     @app.get("/v1/chunks")
@@ -457,7 +470,12 @@ def create_app(
         ns: str = Depends(namespace), cache_namespace: NamespaceQuery = None
     ) -> dict[str, Any]:
         scope = scoped(ns, checked(cache_namespace))
-        return chunks.list_chunks(store, state.registry, scope)
+
+        def listing() -> dict[str, Any]:  # a store lookup per chunk: off the event loop
+            chunks.follow_registry(store, state.registry)
+            return chunks.list_chunks(store, state.registry, scope)
+
+        return await asyncio.to_thread(listing)
 
     @app.delete("/v1/chunks/{chunk_key}")
     async def delete_chunk(
@@ -466,12 +484,20 @@ def create_app(
         cache_namespace: NamespaceQuery = None,
     ) -> dict[str, Any]:
         scope = scoped(ns, checked(cache_namespace))
+        missing = ApiError(
+            404, f"chunk {chunk_key} not found in this namespace", "invalid_request_error"
+        )
         if chunk_key not in state.registry.keys(scope):
-            raise ApiError(
-                404, f"chunk {chunk_key} not found in this namespace", "invalid_request_error"
-            )
-        removed = await asyncio.wrap_future(engine.call(lambda: store.remove(chunk_key)))
+            raise missing
+        was_pinned = chunk_key in state.registry.pinned_keys(scope)
+        try:
+            removed = await asyncio.wrap_future(engine.call(lambda: store.remove(chunk_key)))
+        except StoreUnavailableError as e:  # nothing removed: the client may retry
+            raise ApiError(503, str(e), "server_error", "tier_unreachable") from None
         state.registry.discard(scope, chunk_key)
+        state.registry.record_removal(chunk_key)  # other replicas drop their memory copies
+        if removed == 0 and not was_pinned:  # a row left behind: nothing was stored (listed)
+            raise missing
         return {"chunk_key": chunk_key, "deleted": True, "num_variants": removed}
 
     # ---- operations -------------------------------------------------------------------------

@@ -1,34 +1,46 @@
-"""Chunk management for the server: the per-namespace chunk registry and the /v1/chunks
-routes (precompute, list, delete). Pinning is the store's (`ChunkStore.pin`).
+"""Chunk management for the server: the /v1/chunks routes' work (precompute, list, delete)
+and keeping the chunk registry (`server/registry.py`) in agreement with the store. Pinning is
+the store's (`ChunkStore.pin`); the registry records the pins so a restart restores them.
 
-Chunk keys hash the namespace in, so a key cannot tell its tenant; the registry remembers which
-keys each namespace precomputed or used, and which variants it pinned. With a disk tier it keeps
-them in `registry.sqlite` beside the chunk files, so a restarted server lists, deletes and pins
-what it did before (`restore_pins`); without one it lives in memory and restarts empty. Replicas
-sharing a directory each read it once, at start.
+The store is the truth about what exists: files removed behind the server's back (`cachecraft
+chunks rm` / `clear`, which never touch the registry: the store does not know the server) or
+eviction everywhere leave registry rows whose chunk has no variant. Such a row is not listed;
+at start (`forget_unstored`) and on DELETE it is dropped. Replicas sharing the registry pin and
+delete through each other: before each request that uses or lists chunks, a replica drops its
+memory copies of chunks another deleted and takes up or releases the pins others made or
+deleted (`follow_registry`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sqlite3
-import threading
-import time
-from pathlib import Path
 from typing import Any
 
 from cachecraft.engine.engine import Engine
 from cachecraft.errors import PinLimitError
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.reuse.layout import PromptLayout
+from cachecraft.server.registry import REGISTRY_FILE, ChunkRegistry, open_registry
 from cachecraft.store.base import ChunkStore, RefusalReason
-from cachecraft.store.config import StoreConfig
+
+__all__ = [
+    "REFUSALS",
+    "REGISTRY_FILE",
+    "ChunkRegistry",
+    "follow_registry",
+    "forget_unstored",
+    "list_chunks",
+    "open_registry",
+    "pin_refused",
+    "precompute",
+    "precompute_async",
+    "precompute_request",
+    "restore_pins",
+    "sync_pins",
+]
 
 log = logging.getLogger(__name__)
-
-REGISTRY_FILE = "registry.sqlite"
 
 REFUSALS: dict[RefusalReason, str] = {
     "doorkeeper": "the doorkeeper has not seen this chunk often enough",
@@ -38,139 +50,6 @@ REFUSALS: dict[RefusalReason, str] = {
     "write_failed": "every tier that would take it failed to write it",
 }
 """The words for each OfferResult.reason in a precompute answer."""
-
-
-class ChunkRegistry:
-    """namespace -> {chunk key: (label, num_tokens)} for the keys it precomputed or used, and
-    the variants each namespace pinned. `path`: a SQLite file that keeps both across restarts
-    (None: memory only). A failed write is logged and the entry kept in memory: a full or
-    read-only disk never fails a request here."""
-
-    def __init__(self, path: str | Path | None = None) -> None:
-        self._keys: dict[str, dict[str, tuple[str | None, int]]] = {}
-        self._pins: dict[str, tuple[str, str]] = {}  # variant id -> (namespace, chunk key)
-        self._lock = threading.Lock()
-        self._db: sqlite3.Connection | None = None
-        if path is not None:
-            self._open(Path(path))
-
-    def _open(self, path: Path) -> None:
-        try:
-            self._load(path)
-        except sqlite3.Error as e:
-            code = getattr(e, "sqlite_errorcode", None) or 0
-            if code & 0xFF not in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
-                log.warning("chunk registry %s unusable (%s): kept in memory only", path, e)
-                return
-            # a damaged file: set it aside (never deleted) and keep registering from now on
-            aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-            log.warning("chunk registry %s is corrupt (%s): moved to %s", path, e, aside.name)
-            self._keys.clear()
-            self._pins.clear()
-            try:
-                for suffix in ("", "-wal", "-shm"):
-                    part = path.with_name(path.name + suffix)
-                    if part.exists():
-                        os.replace(part, aside.with_name(aside.name + suffix))
-                self._load(path)
-            except (OSError, sqlite3.Error) as e2:
-                log.warning("chunk registry %s unusable (%s): kept in memory only", path, e2)
-
-    def _load(self, path: Path) -> None:
-        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        try:
-            # Writes can run on the event loop: wait at most 1 s for another replica's lock
-            # (then the write is logged as failed and kept in memory), and no fsync per commit
-            # (WAL at NORMAL survives a killed process; a power cut loses at most the last
-            # listings, never a chunk file).
-            db.execute("PRAGMA busy_timeout=1000")
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS chunks (namespace TEXT, chunk_key TEXT, label TEXT,"
-                " num_tokens INTEGER, PRIMARY KEY (namespace, chunk_key))"
-            )
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS pins (variant_id TEXT PRIMARY KEY, namespace TEXT,"
-                " chunk_key TEXT)"
-            )
-            for ns, key, label, n in db.execute("SELECT * FROM chunks"):
-                self._keys.setdefault(ns, {})[key] = (label, int(n))
-            for vid, ns, key in db.execute("SELECT * FROM pins"):
-                self._pins[vid] = (ns, key)
-        except BaseException:
-            db.close()
-            raise
-        self._db = db
-
-    def _write(self, sql: str, args: tuple[Any, ...]) -> None:
-        """Caller holds the lock."""
-        if self._db is None:
-            return
-        try:
-            self._db.execute(sql, args)
-        except sqlite3.Error as e:
-            log.warning("chunk registry write failed (%s): kept in memory only", e)
-
-    def add(self, namespace: str, chunk_key: str, label: str | None, num_tokens: int) -> None:
-        with self._lock:
-            known = self._keys.setdefault(namespace, {})
-            old = known.get(chunk_key)
-            entry = (label or (old[0] if old else None), num_tokens)
-            if entry == old:
-                return
-            known[chunk_key] = entry
-            self._write(
-                "INSERT OR REPLACE INTO chunks VALUES (?,?,?,?)", (namespace, chunk_key, *entry)
-            )
-
-    def keys(self, namespace: str) -> dict[str, tuple[str | None, int]]:
-        with self._lock:
-            return dict(self._keys.get(namespace, {}))
-
-    def discard(self, namespace: str, chunk_key: str) -> bool:
-        """Forget a chunk of a namespace and its pins."""
-        with self._lock:
-            for vid in [v for v, nk in self._pins.items() if nk == (namespace, chunk_key)]:
-                del self._pins[vid]
-            self._write(
-                "DELETE FROM pins WHERE namespace=? AND chunk_key=?", (namespace, chunk_key)
-            )
-            self._write(
-                "DELETE FROM chunks WHERE namespace=? AND chunk_key=?", (namespace, chunk_key)
-            )
-            return self._keys.get(namespace, {}).pop(chunk_key, None) is not None
-
-    def pin(self, namespace: str, chunk_key: str, variant_id: str) -> None:
-        with self._lock:
-            self._pins[variant_id] = (namespace, chunk_key)
-            self._write(
-                "INSERT OR REPLACE INTO pins VALUES (?,?,?)", (variant_id, namespace, chunk_key)
-            )
-
-    def unpin(self, variant_id: str) -> None:
-        with self._lock:
-            self._pins.pop(variant_id, None)
-            self._write("DELETE FROM pins WHERE variant_id=?", (variant_id,))
-
-    def pins(self) -> dict[str, tuple[str, str]]:
-        """variant id -> (namespace, chunk key) of every pin recorded."""
-        with self._lock:
-            return dict(self._pins)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-
-
-def open_registry(store: StoreConfig | None) -> ChunkRegistry:
-    """The registry for a store built from `store`: in its cache directory when it has a disk
-    tier, else in memory."""
-    if store is None or not store.cache_dir or store.disk_bytes <= 0:
-        return ChunkRegistry()
-    return ChunkRegistry(Path(store.cache_dir) / REGISTRY_FILE)
 
 
 def restore_pins(store: ChunkStore, registry: ChunkRegistry) -> int:
@@ -191,6 +70,53 @@ def restore_pins(store: ChunkStore, registry: ChunkRegistry) -> int:
             continue
         num_pinned += 1
     return num_pinned
+
+
+def follow_registry(store: ChunkStore, registry: ChunkRegistry) -> None:
+    """Catch up with what other processes sharing the registry did: drop this process's
+    memory copies of chunks they deleted, then `sync_pins`. Cheap (two indexed reads) unless
+    there is something to do; runs before each request that uses or lists chunks."""
+    for key in registry.removals():
+        store.forget_in_memory(key)
+    sync_pins(store, registry)
+
+
+def sync_pins(store: ChunkStore, registry: ChunkRegistry) -> None:
+    """Make this process's pins the ones the registry records (replicas sharing it pin and
+    delete through each other): pin what is recorded and can be loaded, release local pins no
+    longer recorded (their variants stay cached, evictable). A recorded pin that cannot be
+    loaded now, or that this process's cap refuses, stays recorded."""
+    recorded = registry.pins()
+    local = store.pinned_variant_ids()
+    for vid in local - recorded.keys():
+        store.unpin(vid)
+    for vid in recorded.keys() - local:
+        variant = store.load(vid)
+        if variant is None:
+            continue
+        try:
+            store.pin(variant, recorded[vid][0])
+        except PinLimitError as e:
+            log.debug("pin of %s recorded by another process not taken here: %s", vid, e)
+
+
+def forget_unstored(store: ChunkStore, registry: ChunkRegistry) -> int:
+    """Drop the registry rows of chunks that no tier of `store` holds a variant of and that
+    carry no pin (run after `restore_pins`, which drops the pins of variants gone). Returns how
+    many rows were dropped. Drops nothing while a tier is unreachable: the chunk may be
+    stored there."""
+    down = [t.name for t in store.health() if not t.is_reachable]
+    if down:
+        log.warning("chunk registry not reconciled: %s unreachable", ", ".join(down))
+        return 0
+    pinned = set(registry.pins().values())
+    num_dropped = 0
+    for namespace, key in registry.entries():
+        if (namespace, key) not in pinned and not store.variants(key):
+            num_dropped += registry.discard(namespace, key)
+    if num_dropped:
+        log.info("chunk registry: %d chunks no longer stored were dropped", num_dropped)
+    return num_dropped
 
 
 def precompute_request(
@@ -225,9 +151,13 @@ def precompute(
         offered = store.offer(variant)
     label = request.chunks[0].id
     registry.add(request.namespace, variant.chunk_key, label, variant.meta.num_tokens)
-    if pin:
-        store.pin(variant, request.namespace)  # PinLimitError: a 400 naming the cap
+    if pin:  # recorded first: a concurrent `sync_pins` must not release the new pin
         registry.pin(request.namespace, variant.chunk_key, variant.variant_id)
+        try:
+            store.pin(variant, request.namespace)  # PinLimitError: a 400 naming the cap
+        except PinLimitError:
+            registry.unpin(variant.variant_id)
+            raise
     row: dict[str, Any] = {
         "id": label,
         "chunk_key": variant.chunk_key,
@@ -245,15 +175,32 @@ def precompute(
     return row
 
 
+def pin_refused(index: int, num_documents: int, error: PinLimitError) -> str:
+    """The 400's words when document `index` of a `POST /v1/chunks` with `pin` passes the cap:
+    it was precomputed but not pinned, the ones before it were pinned, the rest not done."""
+    parts = [f"documents.{index}: {error}. It was precomputed but not pinned"]
+    if index == 1:
+        parts.append("documents.0 was precomputed and pinned")
+    elif index > 1:
+        parts.append(f"documents.0 to documents.{index - 1} were precomputed and pinned")
+    if index < num_documents - 1:
+        parts.append("the documents after it were not processed")
+    return "; ".join(parts)
+
+
 async def precompute_async(engine: Engine, *args: Any) -> dict[str, Any]:
     return await asyncio.wrap_future(engine.call(lambda: precompute(engine, *args)))
 
 
 def list_chunks(store: ChunkStore, registry: ChunkRegistry, namespace: str) -> dict[str, Any]:
-    pinned = store.pinned_chunk_keys()
+    """The namespace's registered chunks that are stored (a variant in some tier, or a pin
+    recorded by any replica), as GET /v1/chunks answers."""
+    pinned = store.pinned_chunk_keys() | registry.pinned_keys(namespace)
     data = []
     for key, (label, num_tokens) in sorted(registry.keys(namespace).items()):
         variants = store.variants(key)
+        if not variants and key not in pinned:
+            continue  # removed or evicted everywhere: dropped at the next start or DELETE
         data.append(
             {
                 "chunk_key": key,

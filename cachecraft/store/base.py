@@ -110,10 +110,21 @@ class ChunkStore(Protocol):
         ...
 
     def pin(self, variant: Variant, namespace: str = "default") -> None:
-        """Keep `variant` in memory and never evict it (it is served even when admission or
-        capacity would refuse it) until `remove` of its chunk or `clear`. The bytes count
+        """Keep `variant` in memory and never evict it, nor its disk copy (a restart pins it
+        again from there); it is served even when admission or capacity would refuse it, until
+        `unpin`, `remove` of its chunk or `clear`. The bytes count
         against `namespace` (the tenant that asked); past `max_pinned_bytes_per_namespace`
         it raises PinLimitError and pins nothing. Pinning a pinned variant again is a no-op."""
+        ...
+
+    def unpin(self, variant_id: str) -> bool:
+        """Release a pin (its bytes stop counting against its namespace); the variant stays in
+        whichever tiers hold it, a copy held only by the pin is dropped. False if it was not
+        pinned."""
+        ...
+
+    def pinned_variant_ids(self) -> set[str]:
+        """Ids of every pinned variant."""
         ...
 
     def pinned_chunk_keys(self) -> set[str]:
@@ -126,7 +137,14 @@ class ChunkStore(Protocol):
 
     def remove(self, chunk_key: str) -> int:
         """Unpin and drop every variant of `chunk_key` from every tier; returns how many
-        variant ids were dropped (0 if none)."""
+        variant ids were dropped (0 if none). Raises StoreUnavailableError, having removed
+        nothing, when a shared tier is unreachable (its copies would outlive the removal)."""
+        ...
+
+    def forget_in_memory(self, chunk_key: str) -> int:
+        """Unpin and drop every variant of `chunk_key` from this process's memory tiers only,
+        leaving disk and Redis as they are (another process sharing them removed it there);
+        returns how many variant ids were dropped."""
         ...
 
     def clear(self) -> None:

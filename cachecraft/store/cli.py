@@ -3,7 +3,9 @@ disk store.
 
 Owns argument parsing and output (rich table or --json) for the chunk-cache directory; all
 work is done by `DiskTier`. `ls` and `stats` open it read-only: they never create, recover,
-checkpoint or truncate anything. Wire it with `add_chunks_parser(subparsers)`.
+checkpoint or truncate anything. `rm` and `clear` never touch the server's chunk registry
+(the store knows nothing of the server): servers drop the rows of chunks no longer stored
+themselves (`server/chunks.py`). Wire it with `add_chunks_parser(subparsers)`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ def add_chunks_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     for name, help_text in (
         ("ls", "list stored variants"),
         ("stats", "totals of the directory"),
-        ("rm", "remove every variant of the given chunk keys"),
-        ("clear", "remove every variant"),
+        ("rm", "remove every variant of the given chunk keys (servers stop listing them)"),
+        ("clear", "remove every variant (servers stop listing them)"),
         ("reindex", "rebuild the index from the files' headers (never deletes a file)"),
     ):
         p = sub.add_parser(name, help=help_text)
@@ -39,7 +41,8 @@ def add_chunks_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
 
 def chunks_command(command: str, cache_dir: str, chunk_keys: list[str] | None = None) -> object:
-    """Run one sub-command; returns what it prints (rows, a totals dict, or a removal count)."""
+    """Run one sub-command; returns what it prints (rows, a totals dict, or a removal count;
+    `rm` also names the keys it found no variant of)."""
     if not Path(cache_dir).is_dir():
         raise StoreUnavailableError(f"no chunk-cache directory at {cache_dir}")
     # capacity is irrelevant here: nothing is written but removals and index rows
@@ -57,8 +60,10 @@ def chunks_command(command: str, cache_dir: str, chunk_keys: list[str] | None = 
                 "hits": sum(int(r["hits"]) for r in rows),  # type: ignore[call-overload]
                 "unindexed_files": tier.num_unindexed_files(),
             }
-        if command == "rm":
-            return {"removed": sum(tier.remove_chunk(k) for k in chunk_keys or [])}
+        if command == "rm":  # each key once; the ones with no variant are named
+            counts = {k: tier.remove_chunk(k) for k in dict.fromkeys(chunk_keys or [])}
+            missing = [k for k, n in counts.items() if n == 0]
+            return {"removed": sum(counts.values()), "not_found": missing}
         if command == "clear":
             return {"removed": tier.clear()}
         if command == "reindex":
@@ -99,6 +104,6 @@ def main_chunks(args: argparse.Namespace) -> int:
         table.add_column("field")
         table.add_column("value", justify="right")
         for key, value in result.items():  # type: ignore[union-attr]
-            table.add_row(key, str(value))
+            table.add_row(key, ", ".join(value) if isinstance(value, list) else str(value))
         console.print(table)
     return 0

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from cachecraft.errors import PinLimitError
+from cachecraft.errors import PinLimitError, StoreUnavailableError
 from cachecraft.store.base import OfferResult, RefusalReason, StorageDtype, TierHealth
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import DiskTier
@@ -78,6 +78,10 @@ class TieredStore:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-prefetch")
         self._inflight: dict[str, Future[float]] = {}
         self._prefetched: dict[str, float] = {}  # id -> background load seconds, not yet used
+        # Slow reads run without the lock; a removal meanwhile must not be undone by placing
+        # what they read: id -> reads in flight, and the ids removed during one.
+        self._reading: dict[str, int] = {}
+        self._removed_while_read: set[str] = set()
         self._stats = StoreStats()
         self.eviction_log: deque[tuple[str, str, str]] = deque(maxlen=4096)
         """(tier, variant_id, reason) of recent evictions, oldest first (tests, debugging)."""
@@ -135,6 +139,8 @@ class TieredStore:
                     return self.ram[0].get(variant_id) or variant
         variant, tier_name = self._fetch_slow(variant_id)
         with self._lock:
+            if self._removed_during_read(variant_id):
+                variant = None
             if variant is None:
                 self._stats.load_misses += 1
                 if not self._is_local(variant_id):
@@ -242,6 +248,8 @@ class TieredStore:
         with self._lock:
             self._stats.prefetch_loads += 1
             self._stats.prefetch_load_s += took
+            if self._removed_during_read(variant_id):
+                variant = None
             if variant is not None and self._place(variant):
                 self._prefetched[variant_id] = took
         return took
@@ -360,9 +368,11 @@ class TieredStore:
             # Called under the disk's write lock: taking the store lock here could deadlock with
             # a demotion (store lock -> disk lock), so read the stats dict without it.
             # Hit statistics from this process (fresher), sizes as the disk counts them.
+            # A pinned variant's file is never a victim: it is what a restart pins again.
             fresh = [
                 dataclasses.replace(self._stats_by_id.get(s.variant_id, s), nbytes=s.nbytes)
                 for s in residents
+                if s.variant_id not in self._pinned
             ]
             return self.policy.victims(fresh, need, self._tick)
 
@@ -390,15 +400,33 @@ class TieredStore:
         if len(ids) < cap:
             return True
         pool = [s for s in (self._stats_of(v) for v in ids) if s is not None] + [st]
-        ranked = self.policy.order(pool, self._tick)
-        for loser in ranked[: len(pool) - cap]:
+        # Pinned variants count against the cap but are never removed for it.
+        losers = [
+            s for s in self.policy.order(pool, self._tick) if s.variant_id not in self._pinned
+        ]
+        for loser in losers[: len(pool) - cap]:
             if loser is st:
                 return False
             self._remove_variant(loser.variant_id, "chunk_cap")
         return True
 
+    def _make_way_in_chunk(self, st: VariantStats) -> None:
+        """Remove the least valuable unpinned variants of `st`'s chunk until it fits under
+        max_variants_per_chunk (a pinned variant is stored whatever admission said). Caller
+        holds the lock."""
+        ids = {v for t in self.ram for v in t.chunk_ids(st.chunk_key)}
+        if self.disk is not None:
+            ids |= {m.variant_id for m in self.disk.metas(st.chunk_key)}
+        ids.discard(st.variant_id)
+        excess = len(ids) + 1 - self.config.max_variants_per_chunk
+        pool = [s for s in (self._stats_of(v) for v in ids - self._pinned.keys()) if s]
+        for loser in self.policy.order(pool, self._tick)[: max(0, excess)]:
+            self._remove_variant(loser.variant_id, "chunk_cap")
+
     def _remove_variant(self, variant_id: str, reason: str) -> None:
         self.eviction_log.append(("*", variant_id, reason))
+        if variant_id in self._reading:
+            self._removed_while_read.add(variant_id)
         for tier in self.ram:
             if tier.delete(variant_id):
                 self._stats.evictions[f"{tier.name}:{reason}"] += 1
@@ -409,8 +437,31 @@ class TieredStore:
         self._stats_by_id.pop(variant_id, None)
         self.tally.forget(variant_id)
 
+    def _removed_during_read(self, variant_id: str) -> bool:
+        """End one slow read of `variant_id` (`_fetch_slow`): True if the variant was removed
+        while it ran (then what it read must not be placed anywhere). Caller holds the lock."""
+        left = self._reading.get(variant_id, 0) - 1
+        removed = variant_id in self._removed_while_read
+        if left > 0:
+            self._reading[variant_id] = left
+        else:
+            self._reading.pop(variant_id, None)
+            self._removed_while_read.discard(variant_id)
+        return removed
+
     def _fetch_slow(self, variant_id: str) -> tuple[Variant | None, str]:
-        """Disk, then Redis (a Redis hit is copied to local disk). No store lock held."""
+        """Disk, then Redis (a Redis hit is copied to local disk). No store lock held. Counts
+        as a read in flight: the caller ends it with `_removed_during_read` under the lock."""
+        with self._lock:
+            self._reading[variant_id] = self._reading.get(variant_id, 0) + 1
+        try:
+            return self._read_slow(variant_id)
+        except BaseException:
+            with self._lock:
+                self._removed_during_read(variant_id)
+            raise
+
+    def _read_slow(self, variant_id: str) -> tuple[Variant | None, str]:
         device = self.config.device
         if self.disk is not None:
             variant = self.disk.get(variant_id, device)
@@ -426,10 +477,12 @@ class TieredStore:
             else:
                 if self.disk is not None:
                     with self._lock:
+                        removed = variant_id in self._removed_while_read
                         st = self._stats_of(variant_id) or VariantStats(
                             variant_id, variant.chunk_key, variant.meta.num_tokens, variant.nbytes
                         )
-                    self._disk_put(variant, st)
+                    if not removed:
+                        self._disk_put(variant, st)
                 return variant, "redis"
         return None, ""
 
@@ -537,6 +590,28 @@ class TieredStore:
                     )
             self._pinned[vid] = variant
             self._pin_namespace[vid] = namespace
+            on_disk = self.disk is None or vid in self.disk
+            if not on_disk:
+                st = self._stats_of(vid) or VariantStats(
+                    vid, variant.chunk_key, variant.meta.num_tokens, variant.nbytes
+                )
+                self._make_way_in_chunk(st)
+        if not on_disk:  # admission may have refused it: a restart pins it again from disk
+            written, error = self._disk_write(variant, st)
+            if not written:
+                why = error or "no room: the disk holds only pinned variants, or it is too small"
+                logger.warning(
+                    "pinned variant %s is not on disk (%s): unpinned at restart", vid, why
+                )
+
+    def unpin(self, variant_id: str) -> bool:
+        with self._lock:
+            self._pin_namespace.pop(variant_id, None)
+            return self._pinned.pop(variant_id, None) is not None
+
+    def pinned_variant_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._pinned)
 
     def pinned_chunk_keys(self) -> set[str]:
         with self._lock:
@@ -563,6 +638,11 @@ class TieredStore:
         return self.ram[0].nbytes
 
     def remove(self, chunk_key: str) -> int:
+        if self.redis is not None and not self.redis.is_reachable:
+            raise StoreUnavailableError(
+                f"redis {self.redis.url} is unreachable: its copies of chunk {chunk_key} cannot "
+                "be removed, so nothing was removed; retry when it is back"
+            )
         with self._lock:
             ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
             for i in ids:
@@ -577,8 +657,26 @@ class TieredStore:
                 self._remove_variant(vid, "removed")
             return len(ids)
 
+    def forget_in_memory(self, chunk_key: str) -> int:
+        with self._lock:
+            ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
+            for i in ids:
+                del self._pinned[i]
+                self._pin_namespace.pop(i, None)
+            ids |= {v for t in self.ram for v in t.chunk_ids(chunk_key)}
+            for vid in ids:
+                if vid in self._reading:
+                    self._removed_while_read.add(vid)
+                for tier in self.ram:
+                    if tier.delete(vid):
+                        self._stats.evictions[f"{tier.name}:removed"] += 1
+                if not self._is_local(vid):
+                    self._stats_by_id.pop(vid, None)
+            return len(ids)
+
     def clear(self) -> None:
         with self._lock:
+            self._removed_while_read |= self._reading.keys()
             self._pinned.clear()
             self._pin_namespace.clear()
             for tier in self.ram:
