@@ -71,6 +71,11 @@ class ReuseConfig:
     probe_check_layer, where the budget tokens whose K/V deviate most, weighted by question
     attention (probe_check_score), keep going; 0: the probe's ranking alone decides."""
     probe_check_layer: int = 1
+    probe_sink: int = 0
+    """cachecraft: the first probe_sink tokens of every probed chunk rank above all others in
+    the probe's ranking (a chunk's first tokens stood at its start when it was cached: its own
+    attention sink); the check layer still weighs them by their K/V deviation. 0: question
+    attention alone ranks them."""
     probe_check_score: Literal["product", "deviation"] = "product"
     """At the check: 'product' ranks by question attention x K/V deviation (the first-order
     change a token's stale K/V make to the question's attention output); 'deviation' by the
@@ -117,7 +122,7 @@ class ReuseConfig:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in (
-            "et_layer", "probe_first_layer", "probe_last_layer", "probe_check_layer",
+            "et_layer", "probe_first_layer", "probe_last_layer", "probe_check_layer", "probe_sink",
             "cacheblend_check_layer", "epic_k",
         ):  # fmt: skip
             value = getattr(self, name)

@@ -6,6 +6,7 @@ Layout used throughout: prefix (3 tokens) | A (4) | B (5) | C (3) | question (2)
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -328,3 +329,17 @@ def test_a_vanished_variant_or_prefix_replans_as_computed() -> None:
     assert m.chunks[0].is_exact and m.chunks[1].is_exact  # a miss after an exact chunk
     assert without_prefix_hit(p).num_rows == p.num_rows + 3
     assert without_prefix_hit(p).rows()[:3] == (0, 1, 2)
+
+
+@pytest.mark.parametrize("check", [0.0, 3.0])
+def test_probe_sink_ranks_each_chunks_first_tokens_first(check: float) -> None:
+    """With attention rising along each chunk, the probe picks a chunk's last tokens; with
+    probe_sink 1 each probed chunk's first token comes first (as a candidate of the check)."""
+    base = dataclasses.replace(CONFIG, probe_check=check)
+    plain = resolved(plan("cachecraft", config=base))
+    sunk = resolved(plan("cachecraft", config=dataclasses.replace(base, probe_sink=1)))
+    picked = [c for c in sunk.chunks if c.variant is not None and c.recompute]
+    assert picked
+    assert all(0 in c.recompute for c in picked)
+    assert not any(0 in c.recompute for c in plain.chunks if c.variant is not None)
+    assert sum(c.budget for c in sunk.chunks) == sum(c.budget for c in plain.chunks)

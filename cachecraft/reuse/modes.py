@@ -261,6 +261,7 @@ def _probe(inp: PlanInput, total: int, split: str, focus: float, check: float) -
         check_layer,
         c.probe_check_score,
         inp.num_layers,
+        c.probe_sink,
     )
 
 

@@ -188,6 +188,8 @@ class ProbeCheck:
     check_score: Literal["product", "deviation"] = "product"
     num_layers: int = 0
     """The model's layers (0: unknown, the probe is taken to run them all)."""
+    sink: int = 0
+    """The first `sink` tokens of each probed chunk rank above every other token."""
 
     @property
     def layer_share(self) -> float:

@@ -48,6 +48,15 @@ def _ranking_scores(cp: ChunkPlan, attention: Sequence[float], blend: float) -> 
     return [a + blend * s for a, s in zip(att, stored, strict=True)]
 
 
+def _lift_sinks(scores: dict[int, list[float]], sink: int) -> dict[int, list[float]]:
+    """Scores with each chunk's first `sink` offsets lifted above every score of every chunk
+    (ranked first within and across chunks; still in their own order)."""
+    if sink <= 0:
+        return scores
+    lift = 1.0 + max((max(s, default=0.0) for s in scores.values()), default=0.0)
+    return {i: [v + lift if t < sink else v for t, v in enumerate(s)] for i, s in scores.items()}
+
+
 def _global_counts(
     idx: Sequence[int],
     scores: dict[int, list[float]],
@@ -115,7 +124,9 @@ def select_by_question(
         if a is None or len(a) != plan.chunks[i].slot.num_tokens:
             raise ValueError(f"chunk {i} needs one attention value per token")
         att[i] = a
-    scores = {i: _ranking_scores(plan.chunks[i], att[i], probe.blend) for i in idx}
+    scores = _lift_sinks(
+        {i: _ranking_scores(plan.chunks[i], att[i], probe.blend) for i in idx}, probe.sink
+    )
     weight = _weights(plan, idx, att)
     if probe.split == "chunk":
         counts = {i: plan.chunks[i].budget for i in idx}
