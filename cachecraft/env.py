@@ -1,6 +1,6 @@
 """Every environment variable cachecraft reads or sets, and the one process-wide allocator
 setting it makes, in one place. Nothing else in the library touches `os.environ` (the vLLM
-peer benchmark passes the environment on to its child).
+peer benchmark passes the environment on to its child, less OPENMP_WAIT_VARS).
 
 * `XDG_CACHE_HOME` (read): where converted models are cached, `$XDG_CACHE_HOME/cachecraft`
   (default `~/.cache/cachecraft`).
@@ -21,6 +21,9 @@ import ctypes.util
 import os
 import sys
 from pathlib import Path
+
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+"""What `set_passive_openmp` sets; the vLLM peer's child runs without them (its own defaults)."""
 
 SPIN_COUNT = 20000
 """Spins before an idle OpenMP worker sleeps (GNU OpenMP's own default is 300,000)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cachecraft.bench.peer_vllm import PeerError, VllmServer, parse_prefix_cache_stats
+from cachecraft.bench.peer_vllm import PeerError, VllmServer, parse_prefix_cache_stats, vllm_env
 
 # the shape vLLM 0.32 writes (two engines here, to check label sets are summed)
 METRICS = """\
@@ -23,6 +23,21 @@ vllm:prefix_cache_hits_created{engine="0",model_name="cachecraft-peer"} 1.79e+09
 # TYPE vllm:external_prefix_cache_hits_total counter
 vllm:external_prefix_cache_hits_total{engine="0",model_name="cachecraft-peer"} 99.0
 """
+
+
+def test_peer_runs_with_its_own_openmp_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our command's OMP_WAIT_POLICY / GOMP_SPINCOUNT stay ours; the peer gets its thread
+    count, KV space and cache directory."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "20000")
+    monkeypatch.setenv("PYTHONPATH", "/ours")
+    env = vllm_env(2, 3, tmp_path)
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
+    assert "PYTHONPATH" not in env
+    assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("2", "3")
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path)
 
 
 def test_parse_prefix_cache_stats() -> None:
