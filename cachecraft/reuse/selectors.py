@@ -5,8 +5,9 @@ is split across its reused chunks. One function per selector; pure Python, no to
 * `first_n`: EPIC, the chunk's first N tokens.
 * `random_n`: N distinct offsets from a seeded generator.
 * `select_by_question`: resolve a plan's probe: spend its budget on the tokens the question
-  rows attend to most (globally, per chunk, or by need), optionally blended with s(t), and
-  optionally through a check layer that weighs question attention by K/V deviation.
+  rows attend to most (globally, per chunk, or by need), optionally blended with s(t) or
+  with each chunk's first tokens ranked first, and optionally through a check layer that
+  weighs question attention by K/V deviation.
 """
 
 from __future__ import annotations
