@@ -644,11 +644,7 @@ class TieredStore:
                 "be removed, so nothing was removed; retry when it is back"
             )
         with self._lock:
-            ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
-            for i in ids:
-                del self._pinned[i]
-                self._pin_namespace.pop(i, None)
-            ids |= {v for t in self.ram for v in t.chunk_ids(chunk_key)}
+            ids = self._unpin_and_list_in_memory(chunk_key)
             if self.disk is not None:
                 ids |= {m.variant_id for m in self.disk.metas(chunk_key)}
             if self.redis is not None:
@@ -657,13 +653,18 @@ class TieredStore:
                 self._remove_variant(vid, "removed")
             return len(ids)
 
+    def _unpin_and_list_in_memory(self, chunk_key: str) -> set[str]:
+        """Drop the chunk's pins; its variant ids that were pinned or sit in a memory tier.
+        Caller holds the lock."""
+        ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
+        for i in ids:
+            del self._pinned[i]
+            self._pin_namespace.pop(i, None)
+        return ids | {v for t in self.ram for v in t.chunk_ids(chunk_key)}
+
     def forget_in_memory(self, chunk_key: str) -> int:
         with self._lock:
-            ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
-            for i in ids:
-                del self._pinned[i]
-                self._pin_namespace.pop(i, None)
-            ids |= {v for t in self.ram for v in t.chunk_ids(chunk_key)}
+            ids = self._unpin_and_list_in_memory(chunk_key)
             for vid in ids:
                 if vid in self._reading:
                     self._removed_while_read.add(vid)
