@@ -20,9 +20,9 @@ from test_server_faults import CTX, T, openai_error
 
 from cachecraft.engine.engine import EngineConfig
 from cachecraft.model.loader import LoadedModel, load_model
-from cachecraft.server import chunks
 from cachecraft.server.app import create_app
 from cachecraft.server.launch import build_stack, close_stack, serve_app, start_server
+from cachecraft.server.registry import REGISTRY_FILE, open_registry
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.cli import chunks_command
 from cachecraft.store.config import StoreConfig
@@ -71,7 +71,7 @@ def replica_stack(small: LoadedModel, store: StoreConfig) -> Iterator[tuple[str,
     """One server process's app (engine, store, registry) over a shared cache directory:
     its URL and its store."""
     stack = build_stack("full", loaded=small, store=store, engine=EngineConfig(mode="full"))
-    registry = chunks.open_registry(store)
+    registry = open_registry(store)
     try:
         with serve_app(create_app(stack.engine, stack.store, None, registry)) as url:
             yield url, stack.store
@@ -184,8 +184,8 @@ def test_a_read_only_registry_still_lists_and_registers_in_memory(
     store = store_in(tmp_path)
     with start_server("full", loaded=small, store=store) as url:
         post(url, [FR], pin=True)
-    registry = tmp_path / "cache" / chunks.REGISTRY_FILE
-    parts = [registry, *registry.parent.glob(chunks.REGISTRY_FILE + "-*")]
+    registry = tmp_path / "cache" / REGISTRY_FILE
+    parts = [registry, *registry.parent.glob(REGISTRY_FILE + "-*")]
     made = subprocess.run(["chattr", "+i", *map(str, parts)], capture_output=True)
     if made.returncode != 0:
         pytest.skip(f"chattr +i: {made.stderr.decode().strip()}")
@@ -209,7 +209,7 @@ def test_a_registration_made_while_another_process_held_the_lock_is_kept(
     other replicas). It now stays pending and is written once the lock is free."""
     store = store_in(tmp_path)
     with start_server("full", loaded=small, store=store) as url:
-        other = sqlite3.connect(tmp_path / "cache" / chunks.REGISTRY_FILE, isolation_level=None)
+        other = sqlite3.connect(tmp_path / "cache" / REGISTRY_FILE, isolation_level=None)
         other.execute("BEGIN IMMEDIATE")  # another replica in a long write
         try:
             post(url, [FR], pin=True)
@@ -240,7 +240,7 @@ def test_while_redis_is_down_nothing_is_deleted_or_forgotten_halfway(
         assert err["code"] == "tier_unreachable" and "redis" in err["message"].lower()
         assert ids(url) == ["fr"]  # nothing was removed: still listed, still on disk
         assert [r["chunk_key"] for r in chunks_command("ls", cache_dir)] == [fr["chunk_key"]]  # type: ignore[union-attr]
-    registry = sqlite3.connect(tmp_path / "cache" / chunks.REGISTRY_FILE)
+    registry = sqlite3.connect(tmp_path / "cache" / REGISTRY_FILE)
     rows = {key for (key,) in registry.execute("SELECT chunk_key FROM chunks")}
     registry.close()
     assert rows == {fr["chunk_key"], de["chunk_key"]}  # de's row waits for Redis to come back

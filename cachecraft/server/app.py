@@ -48,6 +48,7 @@ from cachecraft.server.protocol import (
     error_body,
     unsupported_fields,
 )
+from cachecraft.server.registry import ChunkRegistry
 from cachecraft.store.base import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -196,9 +197,9 @@ def create_app(
     engine: Engine,
     store: ChunkStore,
     config: ServerConfig | None = None,
-    registry: chunks.ChunkRegistry | None = None,
+    registry: ChunkRegistry | None = None,
 ) -> FastAPI:
-    """`registry`: the chunk registry (`chunks.open_registry`: persistent with a disk tier;
+    """`registry`: the chunk registry (`registry.open_registry`: persistent with a disk tier;
     default in memory); the pins it records are restored into `store` here, and its rows of
     chunks the store no longer holds are dropped."""
     config = config or ServerConfig()
@@ -207,7 +208,7 @@ def create_app(
     state = app.state
     state.engine, state.config = engine, config
     state.metrics = ServerMetrics(engine, store)
-    state.registry = registry or chunks.ChunkRegistry()
+    state.registry = registry or ChunkRegistry()
     num_pins = chunks.restore_pins(store, state.registry)
     if num_pins:
         log.info("restored %d pinned chunk-caches", num_pins)

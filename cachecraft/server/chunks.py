@@ -21,24 +21,8 @@ from cachecraft.engine.engine import Engine
 from cachecraft.errors import PinLimitError
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.reuse.layout import PromptLayout
-from cachecraft.server.registry import REGISTRY_FILE, ChunkRegistry, open_registry
+from cachecraft.server.registry import ChunkRegistry
 from cachecraft.store.base import ChunkStore, RefusalReason
-
-__all__ = [
-    "REFUSALS",
-    "REGISTRY_FILE",
-    "ChunkRegistry",
-    "follow_registry",
-    "forget_unstored",
-    "list_chunks",
-    "open_registry",
-    "pin_refused",
-    "precompute",
-    "precompute_async",
-    "precompute_request",
-    "restore_pins",
-    "sync_pins",
-]
 
 log = logging.getLogger(__name__)
 
