@@ -71,11 +71,11 @@ class ReuseConfig:
     probe_check_layer, where the budget tokens whose K/V deviate most, weighted by question
     attention (probe_check_score), keep going; 0: the probe's ranking alone decides."""
     probe_check_layer: int = 1
-    probe_sink: int = 0
+    probe_sink: int = 4
     """cachecraft: the first probe_sink tokens of every probed chunk rank above all others in
     the probe's ranking (a chunk's first tokens stood at its start when it was cached: its own
     attention sink); the check layer still weighs them by their K/V deviation. 0: question
-    attention alone ranks them."""
+    attention alone ranks them (ablation `cachecraft-no-sink`)."""
     probe_check_score: Literal["product", "deviation"] = "product"
     """At the check: 'product' ranks by question attention x K/V deviation (the first-order
     change a token's stale K/V make to the question's attention output); 'deviation' by the

@@ -335,7 +335,7 @@ def test_a_vanished_variant_or_prefix_replans_as_computed() -> None:
 def test_probe_sink_ranks_each_chunks_first_tokens_first(check: float) -> None:
     """With attention rising along each chunk, the probe picks a chunk's last tokens; with
     probe_sink 1 each probed chunk's first token comes first (as a candidate of the check)."""
-    base = dataclasses.replace(CONFIG, probe_check=check)
+    base = dataclasses.replace(CONFIG, probe_check=check, probe_sink=0)
     plain = resolved(plan("cachecraft", config=base))
     sunk = resolved(plan("cachecraft", config=dataclasses.replace(base, probe_sink=1)))
     picked = [c for c in sunk.chunks if c.variant is not None and c.recompute]

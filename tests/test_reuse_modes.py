@@ -149,7 +149,9 @@ def test_cachecraft_probe_spends_cfo_budget_by_need() -> None:
     # A after (X) cached after (Y): beta 0; B after (X, A) cached after (C): beta 0.
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",), cci=0.8)], "B": [variant("B", ("C",), cci=0.6)]}
-    config = ReuseConfig(alpha=1.0, focus_threshold=0.0, probe_split="need", probe_check=0.0)
+    config = ReuseConfig(
+        alpha=1.0, focus_threshold=0.0, probe_split="need", probe_check=0.0, probe_sink=0
+    )
     p = plan("cachecraft", variants, lay, config)
     a, b = p.chunks[1], p.chunks[2]
     assert (a.select, b.select) == ("probe", "probe")
@@ -186,7 +188,7 @@ def test_probe_blend_keeps_question_attention_when_stored_scores_are_zero() -> N
     lay = layout("X", "B")
     variants = {"B": [variant("B", ("C",), scores=(0.0,) * 5)]}
     config = ReuseConfig(
-        alpha=0.4, probe_blend=1.0, probe_check=0.0
+        alpha=0.4, probe_blend=1.0, probe_check=0.0, probe_sink=0
     )  # ceil(0.4 * 0.8 * 5) = 2 tokens
     p = plan("cachecraft", variants, lay, config)
     r = resolve_probe(p, _att(p, {1: [0.1, 0.0, 0.5, 0.0, 0.3]}))
@@ -210,7 +212,7 @@ def test_probe_splits_chunk_and_global() -> None:
 def test_probe_check_makes_candidates_weighted_by_question_attention() -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",), cci=0.6)]}
-    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=0.5, probe_check=1.5))
+    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=0.5, probe_check=1.5, probe_sink=0))
     assert p.probe is not None and p.probe.check == 1.5 and p.probe.split == "global"
     total = p.probe.total
     assert total == 2 + 2  # ceil(0.5 * 0.8 * 4), ceil(0.5 * 0.6 * 5)
@@ -226,7 +228,12 @@ def test_probe_check_makes_candidates_weighted_by_question_attention() -> None:
     assert check.weights == (None, (0.9, 0.8), (0.7, 0.2, 0.3, 0.6))
     assert r.num_rows == 6 + 6 + 2 and len(r.rows()) == r.num_rows  # X, candidates, question
     assert sum(c.num_recompute for c in r.chunks[1:]) == total  # what goes on past the check
-    flat = plan("cachecraft", variants, lay, ReuseConfig(alpha=0.5, probe_check_score="deviation"))
+    flat = plan(
+        "cachecraft",
+        variants,
+        lay,
+        ReuseConfig(alpha=0.5, probe_check_score="deviation", probe_sink=0),
+    )
     r = resolve_probe(flat, _att(flat, att))
     assert r.deviation.weights == (None, (1.0,) * 4, (1.0,) * 5)  # 3 x 4 > 9: all
 
@@ -252,6 +259,7 @@ def test_prophet_is_one_global_budget_of_question_attention() -> None:
     assert r.chunks[1].recompute == (1,) and r.chunks[2].recompute == (0, 4)
     given = plan("prophet", variants, lay, budgets=[None, 1, 0])
     assert given.probe.total == 1
+    assert plan("prophet", variants, lay, ReuseConfig(probe_sink=4)).probe.sink == 0  # relevance
     assert plan("prophet", {}, lay).probe is None  # nothing reused, nothing to probe
 
 

@@ -69,7 +69,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-short-probe": {"probe_depth": 1 / 3},
     "cachecraft-half-probe": {"probe_depth": 0.5},
     "cachecraft-full-probe": {"probe_depth": 1.0},
-    "cachecraft-sink": {"probe_sink": 4},
+    "cachecraft-no-sink": {"probe_sink": 0},
     "cachecraft-refresh": {"refresh_error": 0.75},
     "cachecraft-beta-paper": {"beta_rule": "paper"},
     "cachecraft-no-order": {"use_order_penalty": False},

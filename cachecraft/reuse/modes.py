@@ -240,7 +240,10 @@ def plan_cachecraft_paper(inp: PlanInput) -> RecomputePlan:
     return _plan(inp, "cachecraft-paper", chunks, early_exit=early)
 
 
-def _probe(inp: PlanInput, total: int, split: str, focus: float, check: float) -> ProbeCheck:
+def _probe(
+    inp: PlanInput, total: int, split: str, focus: float, check: float, sink: int
+) -> ProbeCheck:
+    """The probe of a plan; `sink`: each probed chunk's first tokens lifted in the ranking."""
     c = inp.config
     top = inp.num_layers - 1
     if c.probe_last_layer is None:
@@ -261,7 +264,7 @@ def _probe(inp: PlanInput, total: int, split: str, focus: float, check: float) -
         check_layer,
         c.probe_check_score,
         inp.num_layers,
-        c.probe_sink,
+        sink,
     )
 
 
@@ -288,7 +291,7 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
         return _plan(inp, "cachecraft", chunks)
     total = sum(c.budget for c in probed)
     focus = config.focus_threshold if config.early_termination else 0.0
-    probe = _probe(inp, total, config.probe_split, focus, config.probe_check)
+    probe = _probe(inp, total, config.probe_split, focus, config.probe_check, config.probe_sink)
     return _plan(inp, "cachecraft", chunks, probe=probe)
 
 
@@ -308,7 +311,7 @@ def plan_prophet(inp: PlanInput) -> RecomputePlan:
         return _plan(inp, "prophet", chunks)
     given = inp.given_total()
     total = fix_count(inp.config.prophet_ratio, reused) if given is None else min(given, reused)
-    return _plan(inp, "prophet", chunks, probe=_probe(inp, total, "global", 0.0, 0.0))
+    return _plan(inp, "prophet", chunks, probe=_probe(inp, total, "global", 0.0, 0.0, 0))
 
 
 MODE_PLANNERS: dict[str, Callable[[PlanInput], RecomputePlan]] = {
