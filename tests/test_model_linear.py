@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+import cachecraft.model.llama as llama
 from cachecraft.model.kv import KVCache
 from cachecraft.model.linear import Linear, can_pack
 from cachecraft.model.llama import LlamaModel
@@ -36,6 +37,17 @@ def test_packed_linear_equals_f_linear(rows: int) -> None:
     assert (lin(strided) - F.linear(strided, weight, bias)).abs().max() <= 1e-5 * 40
 
 
+@needs_onednn
+def test_a_kept_plain_weight_serves_single_rows() -> None:
+    g = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(96, 40, generator=g), torch.randn(4, 40, generator=g)
+    lin = Linear(weight, None, pack=True, keep_plain=True)
+    assert lin.is_packed and lin.weight is weight
+    assert torch.equal(lin(x[:1]), F.linear(x[:1], weight))  # one row: the plain weight
+    packed = Linear(weight, None, pack=True)
+    assert torch.equal(lin(x), packed(x))  # more rows: the packed one
+
+
 def test_plain_linear_when_not_packed() -> None:
     weight = torch.randn(8, 4)
     lin = Linear(weight, None, pack=False)
@@ -49,6 +61,7 @@ def test_packed_model_answers_as_plain_model(tiny: LoadedModel, tiny_dir: Path) 
     plain = LlamaModel(tiny.arch, tiny.hf_config, state, pack=False)
     packed = tiny.model
     assert packed.layers[0].qkv.is_packed and not plain.layers[0].qkv.is_packed
+    assert packed.layers[0].qkv.weight is not None  # small: a plain copy for one-row decodes
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 1000, (120,), generator=g)
     outs = []
@@ -64,3 +77,14 @@ def test_packed_model_answers_as_plain_model(tiny: LoadedModel, tiny_dir: Path) 
         outs.append((tokens, torch.cat(logits)))
     assert outs[0][0] == outs[1][0]
     assert (outs[0][1] - outs[1][1]).abs().max() < 1e-4
+
+
+@needs_onednn
+def test_a_model_over_the_cap_keeps_only_the_packed_weights(
+    tiny: LoadedModel, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(llama, "PLAIN_COPY_MAX_BYTES", 0)
+    state = load_file(str(tiny_dir / "model.safetensors"))
+    model = LlamaModel(tiny.arch, tiny.hf_config, state)
+    assert model.layers[0].qkv.is_packed and model.layers[0].qkv.weight is None
+    assert model.lm_head.weight is model.embed or not tiny.arch.tie_word_embeddings

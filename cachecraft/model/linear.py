@@ -5,6 +5,11 @@ the speed of oneDNN with a prepacked weight: all of SmolLM2's layer weights at 1
 60 -> 27 ms, at 300 rows 659 -> 287 ms, at 1,500 rows 3.3 -> 1.4 s. Packing happens once at
 load. Where oneDNN is missing, the model is not fp32 on the CPU, or a probe product disagrees
 with `F.linear`, the plain weight is used.
+
+One row (a decode step of one sequence) is the exception: there torch's GEMV reads the plain
+weight about 10-15% faster than oneDNN reads the packed one (SmolLM2's layers, one thread,
+A/B in one process: 60 -> 53 ms per step). `keep_plain` keeps the plain weight beside the
+packed one for those products, at the cost of a second copy in memory.
 """
 
 from __future__ import annotations
@@ -27,12 +32,19 @@ class Linear:
 
     __slots__ = ("bias", "out_features", "packed", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        pack: bool,
+        keep_plain: bool = False,
+    ) -> None:
+        """keep_plain: once packed, keep `weight` as well for one-row products."""
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.out_features = weight.shape[0]
         self.packed = _pack(weight, bias) if pack else None
-        if self.packed is not None:
+        if self.packed is not None and not keep_plain:
             self.weight = None  # the packed copy replaces it: no second copy in memory
 
     @property
@@ -40,7 +52,7 @@ class Linear:
         return self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and (self.weight is None or x.shape[0] > 1):
             if not x.is_contiguous():
                 x = x.contiguous()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

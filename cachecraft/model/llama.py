@@ -23,6 +23,10 @@ from cachecraft.model.linear import Linear, can_pack
 from cachecraft.model.rope import Rope
 from cachecraft.model.step import DecodeBatch, LayerView, SeqResult, SeqWork, StepOutput
 
+PLAIN_COPY_MAX_BYTES = 1 << 30
+"""Packed models whose linear weights take at most this much keep their plain weights too,
+for one-row products (model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B model's 26 GiB."""
+
 
 class LayerWeights(NamedTuple):
     ln1: torch.Tensor
@@ -37,6 +41,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def _linear_bytes(state_dict: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool) -> int:
+    """Bytes of the linear layers' weights (the head's when untied) once cast to `dtype`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    names = [n for n in state_dict if n.endswith("_proj.weight")]
+    if not tied:
+        names.append("lm_head.weight")
+    return size * sum(state_dict[n].numel() for n in names)
 
 
 class _Rows:
@@ -105,10 +118,13 @@ class LlamaModel:
         pack = pack and can_pack(dtype, self.device)
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
-        if arch.tie_word_embeddings or "lm_head.weight" not in state_dict:
-            self.lm_head = Linear(self.embed, None, pack)  # packs a copy: embed stays
+        tied = arch.tie_word_embeddings or "lm_head.weight" not in state_dict
+        linear_bytes = _linear_bytes(state_dict, dtype, tied)
+        plain = pack and linear_bytes <= PLAIN_COPY_MAX_BYTES
+        if tied:  # packs a copy: embed stays, so its plain copy costs nothing
+            self.lm_head = Linear(self.embed, None, pack, keep_plain=pack)
         else:
-            self.lm_head = Linear(get("lm_head.weight"), None, pack)
+            self.lm_head = Linear(get("lm_head.weight"), None, pack, keep_plain=plain)
         self.layers: list[LayerWeights] = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
@@ -121,11 +137,11 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     ln1=get(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv, bias, pack),
-                    o=Linear(get(att + "o_proj.weight"), None, pack),
+                    qkv=Linear(qkv, bias, pack, plain),
+                    o=Linear(get(att + "o_proj.weight"), None, pack, plain),
                     ln2=get(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(gate_up, None, pack),
-                    down=Linear(get(p + "mlp.down_proj.weight"), None, pack),
+                    gate_up=Linear(gate_up, None, pack, plain),
+                    down=Linear(get(p + "mlp.down_proj.weight"), None, pack, plain),
                 )
             )
 
