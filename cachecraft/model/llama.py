@@ -119,8 +119,7 @@ class LlamaModel:
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         tied = arch.tie_word_embeddings or "lm_head.weight" not in state_dict
-        linear_bytes = _linear_bytes(state_dict, dtype, tied)
-        plain = pack and linear_bytes <= PLAIN_COPY_MAX_BYTES
+        plain = pack and _linear_bytes(state_dict, dtype, tied) <= PLAIN_COPY_MAX_BYTES
         if tied:  # packs a copy: embed stays, so its plain copy costs nothing
             self.lm_head = Linear(self.embed, None, pack, keep_plain=pack)
         else:
