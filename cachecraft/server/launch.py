@@ -22,9 +22,9 @@ from cachecraft.engine.engine import Engine, EngineConfig
 from cachecraft.engine.runner import Runner
 from cachecraft.errors import CachecraftError
 from cachecraft.model.loader import LoadedModel, load_model
-from cachecraft.server import registry as chunk_registry
 from cachecraft.server.app import create_app
 from cachecraft.server.config import ServerConfig
+from cachecraft.server.registry import open_registry
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.store import make_store
@@ -92,7 +92,7 @@ def start_server(
     """Serve on 127.0.0.1:<free port> in a thread; yields "http://127.0.0.1:PORT".
     engine_kw go to `build_stack` (model, loaded, reuse, store, engine)."""
     stack = build_stack(mode, **engine_kw)
-    registry = chunk_registry.open_registry(engine_kw.get("store"))
+    registry = open_registry(engine_kw.get("store"))
     try:
         app = create_app(stack.engine, stack.store, server, registry)
         with serve_app(app, log_level) as url:
@@ -144,7 +144,7 @@ def serve(
     server = server or ServerConfig()
     stack = build_stack(mode, **engine_kw)
     engine = stack.engine
-    registry = chunk_registry.open_registry(engine_kw.get("store"))
+    registry = open_registry(engine_kw.get("store"))
     app = create_app(engine, stack.store, server, registry)
     loaded = engine.runner.loaded
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
