@@ -76,6 +76,13 @@ class ReuseConfig:
     the probe's ranking (a chunk's first tokens stood at its start when it was cached: its own
     attention sink); the check layer still weighs them by their K/V deviation. 0: question
     attention alone ranks them (ablation `cachecraft-no-sink`)."""
+    probe_max_cost: float | None = 1.0
+    """cachecraft: the probe runs only while its cost (rows x layers run / L) is at most this
+    many times the recompute budget it steers. Above that (a long question over few reused
+    tokens) it is skipped and its rows go to the budget instead: CFO budget + probe cost
+    tokens (at most every reused token), chosen across the reused chunks by CacheBlend's K/V
+    deviation check at probe_check_layer. Same computed tokens, no second pass over the
+    question. None: always probe (ablation `cachecraft-always-probe`)."""
     probe_check_score: Literal["product", "deviation"] = "product"
     """At the check: 'product' ranks by question attention x K/V deviation (the first-order
     change a token's stale K/V make to the question's attention output); 'deviation' by the

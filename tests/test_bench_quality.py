@@ -99,6 +99,21 @@ def test_matched_budgets_request_by_request(all_modes: dict) -> None:
     assert all(n <= c for n, c in zip(naive, ref, strict=True))
 
 
+def test_matched_budgets_when_cachecraft_skips_its_probe(tiny: LoadedModel) -> None:
+    skip = ReuseConfig(probe_max_cost=0.0)  # every probe costs more: the check instead
+    res = run_quality(
+        tiny, _items(3), ["cachecraft", "cacheblend", "prophet"], warmup=1, max_tokens=4,
+        configs={"cachecraft": skip}, progress=False,
+    )  # fmt: skip
+    requests = res["workloads"]["workload"]["requests"]
+    ref = [r["computed_fraction"] for r in requests["cachecraft"]]
+    assert any(r["chunk_hit_rate"] for r in requests["cachecraft"]), "no chunk was reused"
+    assert all(r["probe_fraction"] == 0 for r in requests["cachecraft"])
+    for mode in ("cacheblend", "prophet"):  # prophet's own probe out of the same total
+        got = [r["computed_fraction"] for r in requests[mode]]
+        assert got == pytest.approx(ref), mode
+
+
 def test_cachecraft_recomputing_everything_equals_full(tiny: LoadedModel) -> None:
     cfg = ReuseConfig(alpha=1e6, min_fix=1.0, early_termination=False)
     res = run_quality(

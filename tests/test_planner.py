@@ -113,7 +113,8 @@ def test_full_mode_reuses_nothing() -> None:
 def test_every_reuse_mode_serves_the_system_prefix_from_cache(mode: str) -> None:
     assert plan(mode).prefix_hit
     assert 0 not in resolved(plan(mode)).rows()
-    assert plan(mode, prefix_hit=False).num_rows == plan(mode).num_rows + 3
+    config = dataclasses.replace(CONFIG, probe_max_cost=None)  # the prefix's rows keep the probe
+    assert plan(mode, config=config, prefix_hit=False).num_rows == plan(mode).num_rows + 3
 
 
 def resolved(p: RecomputePlan) -> RecomputePlan:
@@ -247,6 +248,9 @@ def test_matched_budgets_spread_extra_tokens_over_reused_chunks() -> None:
     # A (4 tokens, 0 planned) and B (5, 2 planned): 3 extra go 4:5 by size, within room.
     assert matched_budgets(plan("cachecraft-paper"), extra=3) == [1, 4, None]
     assert matched_budgets(plan("cachecraft-paper"), extra=99) == [4, 5, None]
+    # a negative extra (a mode's own probe out of the same total) comes off the largest
+    assert matched_budgets(plan("cachecraft-paper"), extra=-1) == [0, 1, None]
+    assert matched_budgets(plan("cachecraft-paper"), extra=-9) == [0, 0, None]
 
 
 def test_random_defaults_to_cachecraft_count_and_is_deterministic() -> None:

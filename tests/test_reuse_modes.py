@@ -291,6 +291,50 @@ def test_probe_depth_sets_the_last_layer_and_the_cost() -> None:
     assert plan("naive", variants, lay).probe_cost == 0.0
 
 
+def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token() -> None:
+    # X in full; A after (Y) reused after (X): beta 0, CFO 0.5 x 0.8 -> ceil(0.4 x 4) = 2.
+    lay = layout("X", "A")
+    variants = {"A": [variant("A", ("Y",))]}
+    probed = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=None))
+    assert probed.probe is not None and probed.probe.total == 2 and probed.probe_cost == 2.0
+    kept = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=1.0))
+    assert kept.probe == probed.probe  # the probe costs its budget: it still runs
+    p = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=0.5))
+    a = p.chunks[1]
+    assert p.probe is None and p.probe_cost == 0.0
+    assert (a.select, a.recompute, a.reason) == ("deviation", (0, 1, 2, 3), "cfo+check")
+    assert p.deviation is not None and p.deviation.weights is None  # CacheBlend's rank
+    assert p.deviation.total == 2 + 2 == a.budget  # the budget plus the probe's rows
+    assert p.deviation.layer == 1 and p.is_resolved
+    assert p.num_rows == 6 + 4 + 2  # X, every A token to the check layer, the question
+    # Without the prefix cache the probe would also run the 3 prefix rows: 5 > 2 x 1.0.
+    miss = plan_request(lay, variants, "cachecraft", ReuseConfig(), 30, None, False)
+    assert miss.probe is None and miss.deviation is not None
+    assert miss.deviation.total == 4  # 2 + 5, at most A's 4 tokens
+    two = plan("cachecraft", {**variants, "B": [variant("B", ("Y",))]}, layout("X", "A", "B"))
+    assert two.probe is not None  # 2 question rows steer 2 + 2 tokens
+    two = plan(
+        "cachecraft",
+        {**variants, "B": [variant("B", ("Y",))]},
+        layout("X", "A", "B"),
+        ReuseConfig(probe_max_cost=0.0),
+    )
+    assert two.deviation is not None and two.deviation.total == 2 + 2 + 2
+    assert [c.budget for c in two.chunks[1:]] == [3, 3]  # 6 spread over A (4) and B (5)
+    with pytest.raises(ValueError, match="probe_max_cost"):
+        plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=-1.0))
+
+
+def test_a_zero_budget_runs_no_probe() -> None:
+    # A cached after (X) reused after (X): beta 1, CFO 0: nothing to recompute, nothing to probe.
+    lay = layout("X", "A")
+    p = plan("cachecraft", {"A": [variant("A", ("X",), exact=False)]}, lay)
+    a = p.chunks[1]
+    assert a.is_hit and a.select == "planned" and a.recompute == () and a.budget == 0
+    assert p.probe is None and p.deviation is None and p.probe_cost == 0.0
+    assert p.num_rows == 6 + 2
+
+
 def test_resolve_rejects_attention_of_the_wrong_shape() -> None:
     lay = layout("X", "A")
     p = plan("cachecraft", {"A": [variant("A", ("Y",))]}, lay)

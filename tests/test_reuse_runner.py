@@ -125,6 +125,32 @@ def test_cachecraft_spends_the_summed_cfo_budget_where_the_question_looks(tiny_d
     assert rep.computed_fraction == (rep.tokens_computed + rep.probe_tokens) / rep.prompt_tokens
 
 
+def test_a_probe_dearer_than_its_budget_is_replaced_by_a_check_of_every_token(
+    tiny_dir: Path,
+) -> None:
+    def run(max_cost: float | None):
+        store = MemoryStore(2 << 30, storage_dtype="float32")
+        llm = LLM(str(tiny_dir), store=store, focus_threshold=0.0, probe_max_cost=max_cost)
+        _run(llm, _req([0, 1, 2]), "cachecraft")
+        return _run(llm, _req([2, 1, 0]), "cachecraft").report
+
+    probed = run(None)
+    budget = sum(_ceil_cfo(c) for c in probed.chunks)
+    question = (
+        probed.prompt_tokens - probed.prefix_cached - sum(c.num_tokens for c in probed.chunks)
+    )
+    assert probed.probe_tokens == question > 0
+    assert 0 < budget / 2 < question  # the probe costs more than half the recompute it steers
+    rep = run(0.5)
+    assert rep.probe_tokens == 0 and rep.probe_cost == 0.0
+    assert all(c.reason == "cfo+check" for c in rep.chunks)
+    reused = sum(c.num_tokens for c in rep.chunks)
+    spent = sum(c.tokens_recomputed for c in rep.chunks)
+    assert spent == min(budget + question, reused) < reused
+    # the same computed tokens as the probe's plan, without a second pass over the question
+    assert rep.tokens_computed == probed.tokens_computed + question
+
+
 def test_a_shallow_probe_costs_its_rows_times_the_layers_it_ran(tiny_dir: Path) -> None:
     llm = LLM(str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"), probe_depth=0.5)
     _run(llm, _req([0, 1, 2]), "cachecraft")
@@ -238,6 +264,7 @@ EVERYTHING = dict(
         ("cachecraft", {"probe_check_score": "deviation"}),
         ("cachecraft", {"probe_blend": 1.0, "probe_last_layer": 1}),
         ("cachecraft", {"probe_depth": 0.5}),
+        ("cachecraft", {"probe_max_cost": 0.0}),  # the check instead of the probe
         ("cachecraft-paper", {}),
         ("prophet", {}),
         ("epic", {}),

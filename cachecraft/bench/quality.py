@@ -25,6 +25,7 @@ from cachecraft.api import (
     EngineConfig,
     LoadedModel,
     MemoryStore,
+    RecomputePlan,
     SamplingParams,
     make_store,
     matched_budgets,
@@ -35,6 +36,7 @@ from cachecraft.bench.metrics import exact_match, kl_divergence, rouge_l, token_
 from cachecraft.bench.quality_summary import summarize_results
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.errors import BadRequestError
+from cachecraft.reuse.modes import probe_last_layer
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 
@@ -70,6 +72,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-half-probe": {"probe_depth": 0.5},
     "cachecraft-full-probe": {"probe_depth": 1.0},
     "cachecraft-no-sink": {"probe_sink": 0},
+    "cachecraft-always-probe": {"probe_max_cost": None},
     "cachecraft-refresh": {"refresh_error": 0.75},
     "cachecraft-beta-paper": {"beta_rule": "paper"},
     "cachecraft-no-order": {"use_order_penalty": False},
@@ -252,6 +255,14 @@ def _flops_extra(got: Answer, num_layers: int) -> float:
     return got.report.probe_cost + layers - full_depth
 
 
+def _prophet_probe_cost(plan: RecomputePlan, config: ReuseConfig, num_layers: int) -> float:
+    """What prophet's probe costs on `plan`'s layout (cachecraft's own, when it ran one, is
+    the same; cachecraft may have skipped it, see ReuseConfig.probe_max_cost)."""
+    layout = plan.layout
+    rows = len(layout.question_ids) + (0 if plan.prefix_hit else layout.prefix_len)
+    return rows * (probe_last_layer(config, num_layers) + 1) / num_layers
+
+
 def _arm_budgets(
     arm: Arm, sources: dict[str, tuple[Answer, float]], num_layers: int
 ) -> list[int | None] | None:
@@ -266,8 +277,8 @@ def _arm_budgets(
     got, extra = sources[arm.budget_from]
     if arm.match == "tokens":
         extra = got.report.probe_cost
-    if arm.mode == "prophet":
-        extra -= got.report.probe_cost
+    if arm.mode == "prophet":  # its own probe comes out of the same total
+        extra -= _prophet_probe_cost(got.plan, arm.config, num_layers)
     budgets = matched_budgets(got.plan, extra=round(extra))
     if arm.match == "flops" and arm.mode == "cacheblend":
         s = min(arm.config.cacheblend_check_layer + 1, num_layers) / num_layers

@@ -246,11 +246,7 @@ def _probe(
     """The probe of a plan; `sink`: each probed chunk's first tokens lifted in the ranking."""
     c = inp.config
     top = inp.num_layers - 1
-    if c.probe_last_layer is None:
-        last = math.ceil(c.probe_depth * inp.num_layers - 1e-9) - 1
-    else:
-        last = c.probe_last_layer
-    last = min(max(last, 0), top)
+    last = probe_last_layer(c, inp.num_layers)
     first = min(max(c.probe_first_layer, 0), last)
     check_layer = min(max(c.probe_check_layer, 0), top)
     return ProbeCheck(
@@ -273,7 +269,8 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
     predicted error is above refresh_error is computed in full (a fresh variant); CFO sets the
     request's budget; a probe of the question ranks the tokens and, with probe_check, the
     top-ranked run to a check layer where question attention x K/V deviation picks the ones
-    that go on (selectors.select_by_question)."""
+    that go on (selectors.select_by_question). A probe costing more than probe_max_cost x the
+    budget is replaced by a check of every reused token at budget + probe cost."""
     config = inp.config
     chunks = []
     for i, slot in enumerate(inp.layout.chunks):
@@ -287,12 +284,68 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
             reason = "cfo" if reason == "mode" else reason
             chunks.append(hit(slot, score, (), reason, budget=budget, select="probe"))
     probed = [c for c in chunks if c.select == "probe"]
-    if not probed:
-        return _plan(inp, "cachecraft", chunks)
     total = sum(c.budget for c in probed)
+    if not total:  # nothing to recompute: no probe to steer it
+        return _plan(inp, "cachecraft", [_planned(c) for c in chunks])
     focus = config.focus_threshold if config.early_termination else 0.0
     probe = _probe(inp, total, config.probe_split, focus, config.probe_check, config.probe_sink)
-    return _plan(inp, "cachecraft", chunks, probe=probe)
+    plan = _plan(inp, "cachecraft", chunks, probe=probe)
+    if config.probe_max_cost is None or plan.probe_cost <= config.probe_max_cost * total:
+        return plan
+    return _check_instead_of_probe(inp, chunks, total + math.ceil(plan.probe_cost - 1e-9))
+
+
+def _planned(c: ChunkPlan) -> ChunkPlan:
+    """A chunk waiting for the probe, planned with nothing recomputed instead."""
+    return replace(c, select="planned", budget=0) if c.select == "probe" else c
+
+
+def _check_instead_of_probe(
+    inp: PlanInput, chunks: Sequence[ChunkPlan], spend: int
+) -> RecomputePlan:
+    """cachecraft when its probe would cost more than the recompute it steers: `spend` tokens
+    (the budget plus the probe's cost, at most every reused token), every reused token a
+    candidate at the check layer, the ones whose K/V deviate most keep going (CacheBlend's
+    check across chunks)."""
+    sizes = {i: c.slot.num_tokens for i, c in enumerate(chunks) if c.select == "probe"}
+    spend = min(spend, sum(sizes.values()))
+    shares = _spread(spend, sizes)  # chunk budgets add up to the check's total
+    out = [
+        replace(
+            c,
+            recompute=tuple(range(sizes[i])),
+            budget=shares[i],
+            select="deviation",
+            reason=c.reason + "+check",
+        )
+        if i in sizes
+        else c
+        for i, c in enumerate(chunks)
+    ]
+    layer = min(max(inp.config.probe_check_layer, 0), inp.num_layers - 1)
+    return _plan(inp, "cachecraft", out, deviation=DeviationCheck(layer, spend))
+
+
+def _spread(total: int, sizes: Mapping[int, int]) -> dict[int, int]:
+    """`total` (at most the sum of `sizes`) split in proportion to the sizes, largest
+    remainders first."""
+    whole = sum(sizes.values())
+    exact = {i: total * n / whole for i, n in sizes.items()}
+    out = {i: math.floor(x) for i, x in exact.items()}
+    by_remainder = sorted(sizes, key=lambda i: (out[i] - exact[i], i))
+    for i in by_remainder[: total - sum(out.values())]:
+        out[i] += 1
+    return out
+
+
+def probe_last_layer(config: ReuseConfig, num_layers: int) -> int:
+    """The last layer a probe runs: probe_last_layer, or the first probe_depth share of the
+    layers, within 0..num_layers - 1."""
+    if config.probe_last_layer is None:
+        last = math.ceil(config.probe_depth * num_layers - 1e-9) - 1
+    else:
+        last = config.probe_last_layer
+    return min(max(last, 0), num_layers - 1)
 
 
 def plan_prophet(inp: PlanInput) -> RecomputePlan:

@@ -74,6 +74,8 @@ def check_config(config: ReuseConfig) -> None:
         raise ValueError("refresh_error must be >= 0 (or None: never refresh)")
     if config.probe_blend < 0.0:
         raise ValueError("probe_blend must be >= 0")
+    if config.probe_max_cost is not None and config.probe_max_cost < 0.0:
+        raise ValueError("probe_max_cost must be >= 0 (or None: always probe)")
     if config.probe_check < 0.0:
         raise ValueError("probe_check must be >= 0 (0: no check layer)")
     if config.probe_check_score not in ("product", "deviation"):
@@ -112,7 +114,8 @@ def matched_budgets(plan: RecomputePlan, extra: int = 0) -> list[int | None]:
     """Per chunk, the tokens `plan` recomputes in a reused chunk (None for a miss), to give
     another mode the same budget. extra: tokens added on top (e.g. the probe's rows, so that a
     mode without a probe may compute as many tokens in all), spread over the reused chunks in
-    proportion to their size, never past a chunk's size."""
+    proportion to their size, never past a chunk's size; a negative extra (a mode's own probe
+    paid out of the same total) is taken from the largest budgets, never below 0."""
     out: list[int | None] = [c.num_recompute if c.is_hit else None for c in plan.chunks]
     sizes = {i: c.slot.num_tokens for i, c in enumerate(plan.chunks) if c.is_hit}
     got = dict.fromkeys(sizes, 0)
@@ -124,4 +127,9 @@ def matched_budgets(plan: RecomputePlan, extra: int = 0) -> list[int | None]:
         i = max(open_, key=lambda j: (sizes[j] * (k + 1) / total - got[j], -j))
         out[i] = (out[i] or 0) + 1
         got[i] += 1
+    for _ in range(max(-extra, 0)):
+        i = max(sizes, key=lambda j: (out[j] or 0, -j), default=None)
+        if i is None or not out[i]:
+            break
+        out[i] = (out[i] or 0) - 1
     return out
