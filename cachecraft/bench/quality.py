@@ -29,6 +29,7 @@ from cachecraft.api import (
     SamplingParams,
     make_store,
     matched_budgets,
+    probe_last_layer,
 )
 from cachecraft.bench.flops import ModelShape, flops_fraction
 from cachecraft.bench.item import WorkloadItem
@@ -36,7 +37,6 @@ from cachecraft.bench.metrics import exact_match, kl_divergence, rouge_l, token_
 from cachecraft.bench.quality_summary import summarize_results
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.errors import BadRequestError
-from cachecraft.reuse.modes import probe_last_layer
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 
