@@ -43,3 +43,16 @@ def test_weighted_check_ranks_by_attention_times_deviation() -> None:
 def test_rows_outside_the_spans_always_go_on() -> None:
     keep = DeviationSelect(((11, 13, 1),))(_view([5.0, 1.0, 2.0, 5.0]))
     assert keep.tolist() == [True, False, True, True]
+
+
+def test_a_sink_keeps_each_spans_first_tokens_then_the_most_deviating() -> None:
+    dev = [1.0, 4.0, 2.0, 3.0]  # positions 10..13
+    # per span: token 10 first (sink 1), then the one left of the budget by deviation (11)
+    keep = DeviationSelect(((10, 14, 2),), sink=1)(_view(dev))
+    assert keep.tolist() == [True, True, False, False]
+    # global: two spans (10-11, 12-13), total 3: both first tokens, then the larger rest (11)
+    keep = DeviationSelect(((10, 12, 0), (12, 14, 0)), total=3, sink=1)(_view(dev))
+    assert keep.tolist() == [True, True, True, False]
+    # a total smaller than the sinks keeps the first spans' first tokens only
+    keep = DeviationSelect(((10, 12, 0), (12, 14, 0)), total=1, sink=1)(_view(dev))
+    assert keep.tolist() == [True, False, False, False]

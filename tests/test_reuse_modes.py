@@ -306,6 +306,7 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
     assert p.deviation is not None and p.deviation.weights is None  # CacheBlend's rank
     assert p.deviation.total == 2 + 2 == a.budget  # the budget plus the probe's rows
     assert p.deviation.layer == 1 and p.is_resolved
+    assert p.deviation.sink == 4  # each chunk's first tokens first, as the probe ranks them
     assert p.num_rows == 6 + 4 + 2  # X, every A token to the check layer, the question
     # Without the prefix cache the probe would also run the 3 prefix rows: 5 > 2 x 1.0.
     miss = plan_request(lay, variants, "cachecraft", ReuseConfig(), 30, None, False)

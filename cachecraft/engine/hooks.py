@@ -59,6 +59,9 @@ class DeviationSelect:
     """If set, keep the top `total` tokens over all spans together (CacheBlend's global pick)."""
     weights: torch.Tensor | None = None
     """[num_tokens] by absolute position: rank by weight x norm of the deviation instead."""
+    sink: int = 0
+    """The first `sink` positions of each span are kept first, whatever their deviation (they
+    count in the budget or the total)."""
 
     def __call__(self, view: LayerView) -> torch.Tensor | None:
         assert view.k_old is not None and view.v_old is not None
@@ -68,17 +71,27 @@ class DeviationSelect:
             dev = dev.sqrt() * self.weights.to(dev.device)[view.positions]
         keep = torch.ones_like(view.positions, dtype=torch.bool)
         in_spans = torch.zeros_like(keep)
+        left = self.total  # the global pick's tokens still to give (None: per span)
         for start, end, budget in self.spans:
             rows = torch.nonzero(_in_span(view.positions, start, end)).flatten()
             keep[rows] = False
+            if self.sink > 0:  # rows ascend by position: a span's first tokens come first
+                room = max(budget if left is None else left, 0)
+                lifted = rows[view.positions[rows] < start + self.sink][:room]
+                keep[lifted] = True
+                rows = rows[~keep[rows]]
+                if left is None:
+                    budget -= lifted.numel()
+                else:
+                    left -= lifted.numel()
             in_spans[rows] = True
-            if self.total is None and budget > 0 and rows.numel():
+            if left is None and budget > 0 and rows.numel():
                 top = torch.topk(dev[rows], min(budget, rows.numel())).indices
                 keep[rows[top]] = True
-        if self.total is not None and self.total > 0:
+        if left is not None and left > 0:
             rows = torch.nonzero(in_spans).flatten()
             if rows.numel():
-                top = torch.topk(dev[rows], min(self.total, rows.numel())).indices
+                top = torch.topk(dev[rows], min(left, rows.numel())).indices
                 keep[rows[top]] = True
         return keep
 

@@ -231,7 +231,7 @@ class Runner:
             )
             if spans:
                 weights = self._deviation_weights(plan)
-                check = DeviationSelect(spans, plan.deviation.total, weights)
+                check = DeviationSelect(spans, plan.deviation.total, weights, plan.deviation.sink)
                 hooks[min(plan.deviation.layer, top)] = check
                 job.work.hooks_need_old = True
         job.work.hooks = hooks

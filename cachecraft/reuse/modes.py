@@ -305,8 +305,8 @@ def _check_instead_of_probe(
 ) -> RecomputePlan:
     """cachecraft when its probe would cost more than the recompute it steers: `spend` tokens
     (the budget plus the probe's cost, at most every reused token), every reused token a
-    candidate at the check layer, the ones whose K/V deviate most keep going (CacheBlend's
-    check across chunks)."""
+    candidate at the check layer: each chunk's first probe_sink tokens keep going, then the
+    ones whose K/V deviate most across chunks (CacheBlend's check, with the probe's sink)."""
     sizes = {i: c.slot.num_tokens for i, c in enumerate(chunks) if c.select == "probe"}
     spend = min(spend, sum(sizes.values()))
     shares = _spread(spend, sizes)  # chunk budgets add up to the check's total
@@ -322,8 +322,10 @@ def _check_instead_of_probe(
         else c
         for i, c in enumerate(chunks)
     ]
-    layer = min(max(inp.config.probe_check_layer, 0), inp.num_layers - 1)
-    return _plan(inp, "cachecraft", out, deviation=DeviationCheck(layer, spend))
+    config = inp.config
+    layer = min(max(config.probe_check_layer, 0), inp.num_layers - 1)
+    check = DeviationCheck(layer, spend, sink=config.probe_sink)
+    return _plan(inp, "cachecraft", out, deviation=check)
 
 
 def _spread(total: int, sizes: Mapping[int, int]) -> dict[int, int]:

@@ -158,6 +158,8 @@ class DeviationCheck:
     layer: int
     total: int | None = None
     weights: tuple[tuple[float, ...] | None, ...] | None = None
+    sink: int = 0
+    """The first `sink` tokens of each checked chunk are kept first, whatever their deviation."""
 
 
 @dataclass(frozen=True, slots=True)
