@@ -80,9 +80,10 @@ class ReuseConfig:
     """cachecraft: the probe runs only while its cost (rows x layers run / L) is at most this
     many times the recompute budget it steers. Above that (a long question over few reused
     tokens) it is skipped and its rows go to the budget instead: CFO budget + probe cost
-    tokens (at most every reused token), chosen across the reused chunks by CacheBlend's K/V
-    deviation check at probe_check_layer. Same computed tokens, no second pass over the
-    question. None: always probe (ablation `cachecraft-always-probe`)."""
+    tokens (at most every reused token): each reused chunk's first probe_sink tokens, then
+    the ones CacheBlend's K/V deviation check at probe_check_layer ranks highest across the
+    chunks. Same computed tokens, no second pass over the question. None: always probe
+    (ablation `cachecraft-always-probe`)."""
     probe_check_score: Literal["product", "deviation"] = "product"
     """At the check: 'product' ranks by question attention x K/V deviation (the first-order
     change a token's stale K/V make to the question's attention output); 'deviation' by the
