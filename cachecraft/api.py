@@ -23,7 +23,7 @@ from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
 from cachecraft.model.reference import greedy_tokens, prefill
 from cachecraft.request import RagRequest
 from cachecraft.reuse.layout import build_layout
-from cachecraft.reuse.modes import probe_last_layer
+from cachecraft.reuse.modes import probe_cost
 from cachecraft.reuse.plan import RecomputePlan
 from cachecraft.reuse.planner import matched_budgets
 from cachecraft.server.launch import Stack, build_stack, close_stack, start_server
@@ -64,7 +64,7 @@ __all__ = [
     "matched_budgets",
     "memory_config",
     "prefill",
-    "probe_last_layer",
+    "probe_cost",
     "prompt_token_ids",
     "resolve_model_dir",
     "start_server",

@@ -25,11 +25,10 @@ from cachecraft.api import (
     EngineConfig,
     LoadedModel,
     MemoryStore,
-    RecomputePlan,
     SamplingParams,
     make_store,
     matched_budgets,
-    probe_last_layer,
+    probe_cost,
 )
 from cachecraft.bench.flops import ModelShape, flops_fraction
 from cachecraft.bench.item import WorkloadItem
@@ -255,14 +254,6 @@ def _flops_extra(got: Answer, num_layers: int) -> float:
     return got.report.probe_cost + layers - full_depth
 
 
-def _prophet_probe_cost(plan: RecomputePlan, config: ReuseConfig, num_layers: int) -> float:
-    """What prophet's probe costs on `plan`'s layout (cachecraft's own, when it ran one, is
-    the same; cachecraft may have skipped it, see ReuseConfig.probe_max_cost)."""
-    layout = plan.layout
-    rows = len(layout.question_ids) + (0 if plan.prefix_hit else layout.prefix_len)
-    return rows * (probe_last_layer(config, num_layers) + 1) / num_layers
-
-
 def _arm_budgets(
     arm: Arm, sources: dict[str, tuple[Answer, float]], num_layers: int
 ) -> list[int | None] | None:
@@ -278,7 +269,7 @@ def _arm_budgets(
     if arm.match == "tokens":
         extra = got.report.probe_cost
     if arm.mode == "prophet":  # its own probe comes out of the same total
-        extra -= _prophet_probe_cost(got.plan, arm.config, num_layers)
+        extra -= probe_cost(got.plan.layout, got.plan.prefix_hit, arm.config, num_layers)
     budgets = matched_budgets(got.plan, extra=round(extra))
     if arm.match == "flops" and arm.mode == "cacheblend":
         s = min(arm.config.cacheblend_check_layer + 1, num_layers) / num_layers

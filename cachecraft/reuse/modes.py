@@ -21,8 +21,9 @@ from cachecraft.reuse.plan import (
     ProbeCheck,
     PromptLayout,
     RecomputePlan,
+    probe_rows,
 )
-from cachecraft.reuse.selectors import first_n, random_n, top_scored
+from cachecraft.reuse.selectors import first_n, random_n, spread_by_size, top_scored
 from cachecraft.reuse.variant_choice import VariantScore, choose_variant
 from cachecraft.store.meta import VariantMeta
 
@@ -287,12 +288,12 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
     total = sum(c.budget for c in probed)
     if not total:  # nothing to recompute: no probe to steer it
         return _plan(inp, "cachecraft", [_planned(c) for c in chunks])
+    cost = probe_cost(inp.layout, inp.prefix_hit, config, inp.num_layers)
+    if config.probe_max_cost is not None and cost > config.probe_max_cost * total:
+        return _check_instead_of_probe(inp, chunks, total + math.ceil(cost - 1e-9))
     focus = config.focus_threshold if config.early_termination else 0.0
     probe = _probe(inp, total, config.probe_split, focus, config.probe_check, config.probe_sink)
-    plan = _plan(inp, "cachecraft", chunks, probe=probe)
-    if config.probe_max_cost is None or plan.probe_cost <= config.probe_max_cost * total:
-        return plan
-    return _check_instead_of_probe(inp, chunks, total + math.ceil(plan.probe_cost - 1e-9))
+    return _plan(inp, "cachecraft", chunks, probe=probe)
 
 
 def _planned(c: ChunkPlan) -> ChunkPlan:
@@ -309,7 +310,7 @@ def _check_instead_of_probe(
     ones whose K/V deviate most across chunks (CacheBlend's check, with the probe's sink)."""
     sizes = {i: c.slot.num_tokens for i, c in enumerate(chunks) if c.select == "probe"}
     spend = min(spend, sum(sizes.values()))
-    shares = _spread(spend, sizes)  # chunk budgets add up to the check's total
+    shares = spread_by_size(spend, sizes)  # chunk budgets add up to the check's total
     out = [
         replace(
             c,
@@ -328,16 +329,12 @@ def _check_instead_of_probe(
     return _plan(inp, "cachecraft", out, deviation=check)
 
 
-def _spread(total: int, sizes: Mapping[int, int]) -> dict[int, int]:
-    """`total` (at most the sum of `sizes`) split in proportion to the sizes, largest
-    remainders first."""
-    whole = sum(sizes.values())
-    exact = {i: total * n / whole for i, n in sizes.items()}
-    out = {i: math.floor(x) for i, x in exact.items()}
-    by_remainder = sorted(sizes, key=lambda i: (out[i] - exact[i], i))
-    for i in by_remainder[: total - sum(out.values())]:
-        out[i] += 1
-    return out
+def probe_cost(
+    layout: PromptLayout, prefix_hit: bool, config: ReuseConfig, num_layers: int
+) -> float:
+    """What a probe of `layout` costs under `config`, in full-depth rows (as
+    RecomputePlan.probe_cost), whether or not a plan runs one."""
+    return probe_rows(layout, prefix_hit) * (probe_last_layer(config, num_layers) + 1) / num_layers
 
 
 def probe_last_layer(config: ReuseConfig, num_layers: int) -> int:

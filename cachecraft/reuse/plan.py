@@ -78,6 +78,11 @@ class PromptLayout:
         return tuple(ids)
 
 
+def probe_rows(layout: PromptLayout, prefix_hit: bool) -> int:
+    """Rows a probe of `layout` runs: the question, and the prefix when it is not cached."""
+    return len(layout.question_ids) + (0 if prefix_hit else layout.prefix_len)
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkPlan:
     """Per chunk: the variant reused (None = computed in full), what is recomputed and why.
@@ -240,10 +245,7 @@ class RecomputePlan:
     def num_probe_rows(self) -> int:
         """Rows of the probe pass: the question, and the prefix when it is not cached; 0
         without a probe."""
-        if self.probe is None:
-            return 0
-        prefix = 0 if self.prefix_hit else self.layout.prefix_len
-        return prefix + len(self.layout.question_ids)
+        return 0 if self.probe is None else probe_rows(self.layout, self.prefix_hit)
 
     @property
     def probe_cost(self) -> float:

@@ -14,7 +14,7 @@ from dataclasses import replace
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.reuse.modes import MODE_PLANNERS, PlanInput, fix_count, mark_exact, miss
 from cachecraft.reuse.plan import PromptLayout, RecomputePlan
-from cachecraft.reuse.selectors import select_by_question
+from cachecraft.reuse.selectors import select_by_question, spread_by_size
 from cachecraft.reuse.variant_choice import VariantScore, choose_variant, score_variant
 from cachecraft.store.meta import VariantMeta
 
@@ -118,15 +118,8 @@ def matched_budgets(plan: RecomputePlan, extra: int = 0) -> list[int | None]:
     paid out of the same total) is taken from the largest budgets, never below 0."""
     out: list[int | None] = [c.num_recompute if c.is_hit else None for c in plan.chunks]
     sizes = {i: c.slot.num_tokens for i, c in enumerate(plan.chunks) if c.is_hit}
-    got = dict.fromkeys(sizes, 0)
-    total = sum(sizes.values())
-    for k in range(max(extra, 0)):  # one token at a time to the chunk furthest below its share
-        open_ = [i for i in sizes if (out[i] or 0) < sizes[i]]
-        if not open_:
-            break
-        i = max(open_, key=lambda j: (sizes[j] * (k + 1) / total - got[j], -j))
-        out[i] = (out[i] or 0) + 1
-        got[i] += 1
+    for i, n in spread_by_size(extra, sizes, {i: out[i] or 0 for i in sizes}).items():
+        out[i] = n
     for _ in range(max(-extra, 0)):
         i = max(sizes, key=lambda j: (out[j] or 0, -j), default=None)
         if i is None or not out[i]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from cachecraft.reuse.plan import ChunkPlan, DeviationCheck, RecomputePlan
@@ -25,6 +25,24 @@ def top_scored(scores: Sequence[float], n: int) -> tuple[int, ...]:
     n = min(max(n, 0), len(scores))
     ranked = sorted(range(len(scores)), key=lambda t: (-scores[t], t))
     return tuple(sorted(ranked[:n]))
+
+
+def spread_by_size(
+    extra: int, sizes: Mapping[int, int], start: Mapping[int, int] | None = None
+) -> dict[int, int]:
+    """Add `extra` tokens to `start` (default all 0), one at a time to the chunk furthest below
+    its share by size (`sizes`: chunk -> tokens), never past a chunk's size."""
+    out = {i: (start or {}).get(i, 0) for i in sizes}
+    got = dict.fromkeys(sizes, 0)
+    total = sum(sizes.values())
+    for k in range(max(extra, 0)):
+        open_ = [i for i in sizes if out[i] < sizes[i]]
+        if not open_:
+            break
+        i = max(open_, key=lambda j: (sizes[j] * (k + 1) / total - got[j], -j))
+        out[i] += 1
+        got[i] += 1
+    return out
 
 
 def first_n(num_tokens: int, n: int) -> tuple[int, ...]:
