@@ -65,8 +65,30 @@ def test_sampling_params_refuse_what_torch_cannot_take() -> None:
         SamplingParams(temperature=float("nan"))
     with pytest.raises(BadRequestError, match="top_p"):
         SamplingParams(top_p=float("nan"))
+    with pytest.raises(BadRequestError, match="top_k"):
+        SamplingParams(top_k=-5)
+    with pytest.raises(BadRequestError, match="min_p"):
+        SamplingParams(min_p=1.5)
     SamplingParams(temperature=0.7, seed=2**64 - 1)  # the edges are fine
     SamplingParams(temperature=0.7, seed=-(2**63))
+
+
+def test_top_k_and_min_p_sample_only_the_likely_tokens() -> None:
+    logits = torch.tensor([3.0, 2.9, 2.8, 0.0, -1.0])
+    gen = torch.Generator().manual_seed(0)
+    hot = SamplingParams(temperature=100.0)  # nearly uniform without the filters
+    assert set(sample(logits, hot, gen) for _ in range(300)) == set(range(5))
+    two = SamplingParams(temperature=100.0, top_k=2)
+    assert set(sample(logits, two, gen) for _ in range(300)) == {0, 1}
+    assert set(
+        sample(logits, SamplingParams(temperature=1.0, top_k=1), gen) for _ in range(50)
+    ) == {0}
+    # min_p 0.5 at temperature 1: e^-0.2 = 0.82 and e^-3 = 0.05 of the top token's probability
+    likely = SamplingParams(temperature=1.0, min_p=0.5)
+    assert set(sample(logits, likely, gen) for _ in range(300)) == {0, 1, 2}
+    assert set(
+        sample(logits, SamplingParams(temperature=1.0, top_k=-1), gen) for _ in range(300)
+    ) == set(range(5))
 
 
 def test_sample_never_fails_on_non_finite_logits() -> None:

@@ -286,6 +286,7 @@ def test_chunk_stats_cover_only_the_callers_namespace(srv: Served) -> None:
         ("response_format", {"type": "json_object"}),
         ("logit_bias", {"42": 5}),
         ("presence_penalty", 0.5),
+        ("repetition_penalty", 1.2),
     ],
 )
 def test_unsupported_chat_fields_are_named(srv: Served, field: str, value: Any) -> None:
@@ -298,6 +299,20 @@ def test_unsupported_completion_fields_are_named(srv: Served, field: str, value:
     body = {"model": "cachecraft", "prompt": "p", "max_tokens": 2, field: value}
     err = openai_error(srv.post("/v1/completions", body), 400)
     assert err["param"] == field
+
+
+@pytest.mark.parametrize("field, value", [("top_k", -5), ("top_k", 1.5), ("min_p", 2.0)])
+def test_bad_vllm_sampling_fields_are_named(srv: Served, field: str, value: Any) -> None:
+    err = openai_error(srv.post(CHAT, chat(**{field: value})), 400)
+    assert err["param"] == field
+
+
+def test_top_k_one_samples_the_greedy_answer(srv: Served) -> None:
+    greedy = srv.post(CHAT, chat(max_tokens=6, temperature=0, ignore_eos=True)).json()
+    for seed in (1, 2):
+        hot = chat(max_tokens=6, temperature=2.0, top_k=1, seed=seed, ignore_eos=True)
+        got = srv.post(CHAT, hot).json()
+        assert got["choices"][0]["message"] == greedy["choices"][0]["message"]
 
 
 def test_harmless_defaults_of_unsupported_fields_pass(srv: Served) -> None:

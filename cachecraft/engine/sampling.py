@@ -32,6 +32,10 @@ class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0 or -1: all of them, as in vLLM)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p x the most likely one's probability (0: none)."""
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -55,6 +59,10 @@ class SamplingParams:
             )
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise BadRequestError("top_p must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise BadRequestError("top_k must be an integer >= -1 (0 or -1: no limit)")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise BadRequestError("min_p must be in [0, 1]")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise BadRequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
 
@@ -78,7 +86,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     logits = logits.float()
     if params.temperature == 0:
         return _greedy(logits)
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
     if params.top_p < 1:
         sorted_p, order = torch.sort(probs, descending=True)
         cum = sorted_p.cumsum(-1)

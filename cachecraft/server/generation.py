@@ -66,6 +66,8 @@ def sampling_of(body: ChatCompletionRequest | CompletionRequest, defaults: Any) 
         max_tokens=max_tokens,
         temperature=float(temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=0 if body.top_k is None else body.top_k,
+        min_p=0.0 if body.min_p is None else float(body.min_p),
         seed=body.seed,
         ignore_eos=body.ignore_eos,
         stop=body.stop_strings(),

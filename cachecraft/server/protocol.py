@@ -3,7 +3,8 @@
 Unknown fields are accepted and ignored (extra="allow"), except the OpenAI fields this server
 cannot honour (`unsupported_fields`: logprobs, tools, response_format, ...), which are refused
 by name as vLLM does. Every string must be encodable UTF-8 (no lone surrogates such as
-"\\ud800"). Extensions: `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`.
+"\\ud800"). Extensions: `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k`
+and `min_p`.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class _Generation(_Lenient):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31)
     temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
     top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=2**31)  # vLLM's; 0 or -1: off
+    min_p: StrictFloat | None = Field(default=None, ge=0, le=1)  # vLLM's
     seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     n: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
@@ -158,6 +161,8 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
+    "repetition_penalty": (None, 1, 1.0),  # vLLM's
+    "min_tokens": (None, 0),  # vLLM's
 }
 
 
