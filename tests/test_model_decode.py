@@ -124,9 +124,11 @@ def test_pool_slots_growth_and_release(tiny: LoadedModel) -> None:
         0, torch.full((arch.num_layers, arch.num_kv_heads, 10, arch.head_dim), 3.0), a.k[:, :, :10]
     )
     grown = pool.capacity
+    pool.k[:, 2] = 7.0  # what a request that held slot 2 left behind
     c = pool.acquire(grown + 5)  # grows every slot; a's contents survive the move
-    assert c is not None and pool.capacity >= grown + 5
+    assert c is not None and c.slot == 2 and pool.capacity >= grown + 5
     assert bool((a.k[:, :, :10] == 3.0).all()) and a.capacity == pool.capacity
+    assert not bool(c.k.any())  # a free slot is not copied: handed out empty
     pool.check_integrity()
     assert pool.acquire(4) is None  # no free slot
     pool.release(b)

@@ -84,7 +84,9 @@ class KVPool:
     def grow(self, capacity: int) -> None:
         """At least `capacity` positions per slot: doubling while that fits `max_bytes` (fewer
         reallocations), else exactly `capacity` (a pooled cache is never refused growth);
-        contents kept, every live cache re-pointed."""
+        live slots' contents kept, every live cache re-pointed. Free slots are not copied (a
+        slot is empty when handed out): growing a 16-slot pool with one request in it copies
+        one slot, not sixteen, and the free slots' new pages stay untouched."""
         if capacity <= self.capacity:
             return
         new_cap = min(max(capacity, 2 * self.capacity), self.max_positions)
@@ -95,7 +97,8 @@ class KVPool:
         for name in ("k", "v"):
             t = getattr(self, name)
             new = lazy_zeros((*t.shape[:3], new_cap, t.shape[4]), t.dtype, t.device)
-            new[:, :, :, :old] = t
+            for slot in self._caches:
+                new[:, slot, :, :old] = t[:, slot]
             setattr(self, name, new)
         for slot, kv in self._caches.items():
             kv.k, kv.v = self.k[:, slot], self.v[:, slot]
