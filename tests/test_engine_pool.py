@@ -63,6 +63,22 @@ def test_pooled_decodes_answer_as_decodes_alone(tiny_model: LoadedModel) -> None
     assert max(s.num_decodes for s in engine.recent_steps) == 4
 
 
+def test_variants_stored_from_pool_slots_equal_plain_ones(tiny_model: LoadedModel) -> None:
+    requests = [_request(i, n) for i, n in enumerate((30, 70))]
+    _, plain = _answers(tiny_model, EngineConfig(kv_pool_mib=0), requests)
+    _, pooled = _answers(tiny_model, EngineConfig(max_running=4), requests)
+    for request in requests:
+        [chunk] = pooled.runner.layout(request).chunks
+        [meta] = pooled.runner.store.variants(chunk.key)
+        [want] = plain.runner.store.variants(chunk.key)
+        got, ref = (
+            pooled.runner.store.load(meta.variant_id),
+            plain.runner.store.load(want.variant_id),
+        )
+        assert got is not None and ref is not None
+        assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
+
+
 def test_a_request_the_pool_cannot_hold_decodes_alone_beside_it(tiny_model: LoadedModel) -> None:
     requests = [_request(0, 10), _request(1, 200), _request(2, 15)]
     alone, _ = _answers(tiny_model, EngineConfig(kv_pool_mib=0), requests)
