@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import cachecraft.model.llama as llama
 from cachecraft.model.kv import KVCache
-from cachecraft.model.linear import Linear, can_pack
+from cachecraft.model.linear import PLAIN_MAX_ROWS, Linear, can_pack
 from cachecraft.model.llama import LlamaModel
 from cachecraft.model.loader import LoadedModel
 from cachecraft.model.step import SeqWork
@@ -38,12 +38,13 @@ def test_packed_linear_equals_f_linear(rows: int) -> None:
 
 
 @needs_onednn
-def test_a_kept_plain_weight_serves_single_rows() -> None:
+def test_a_kept_plain_weight_serves_one_or_two_rows() -> None:
     g = torch.Generator().manual_seed(5)
     weight, x = torch.randn(96, 40, generator=g), torch.randn(4, 40, generator=g)
     lin = Linear(weight, None, pack=True, keep_plain=True)
     assert lin.is_packed and lin.weight is weight
-    assert torch.equal(lin(x[:1]), F.linear(x[:1], weight))  # one row: the plain weight
+    for n in range(1, PLAIN_MAX_ROWS + 1):  # few rows: the plain weight
+        assert torch.equal(lin(x[:n]), F.linear(x[:n], weight))
     packed = Linear(weight, None, pack=True)
     assert torch.equal(lin(x), packed(x))  # more rows: the packed one
 

@@ -6,10 +6,12 @@ the speed of oneDNN with a prepacked weight: all of SmolLM2's layer weights at 1
 load. Where oneDNN is missing, the model is not fp32 on the CPU, or a probe product disagrees
 with `F.linear`, the plain weight is used.
 
-One row (a decode step of one sequence) is the exception: there torch's GEMV reads the plain
-weight about 10-15% faster than oneDNN reads the packed one (SmolLM2's layers, one thread,
-A/B in one process: 60 -> 53 ms per step). `keep_plain` keeps the plain weight beside the
-packed one for those products, at the cost of a second copy in memory.
+One or two rows (a decode step of one or two sequences) are the exception: there torch's
+GEMV/GEMM reads the plain weight faster than oneDNN reads the packed one (SmolLM2's layers,
+one thread, A/B in one process: one row 60 -> 53 ms per step; two rows, layers and head,
+56-63 -> 42-53 ms; from three rows on oneDNN is as fast or faster). `keep_plain` keeps the
+plain weight beside the packed one for those products, at the cost of a second copy in
+memory.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ log = logging.getLogger(__name__)
 PACK_ROWS = 16
 """The row count oneDNN is told to expect when packing (a hint: 16 and 128 measured the same
 from 1 to 1,500 rows; 1 was slower for many rows)."""
+
+
+PLAIN_MAX_ROWS = 2
+"""Products of at most this many rows use the plain weight when it is kept."""
 
 
 class Linear:
@@ -52,7 +58,7 @@ class Linear:
         return self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and (self.weight is None or x.shape[0] > 1):
+        if self.packed is not None and (self.weight is None or x.shape[0] > PLAIN_MAX_ROWS):
             if not x.is_contiguous():
                 x = x.contiguous()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
