@@ -25,7 +25,8 @@ from cachecraft.model.step import DecodeBatch, LayerView, SeqResult, SeqWork, St
 
 PLAIN_COPY_MAX_BYTES = 1 << 30
 """Packed models whose linear weights take at most this much keep their plain weights too,
-for products of one or two rows (model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B model's 26 GiB."""
+for products of one or two rows (model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B
+model's 26 GiB."""
 
 
 class LayerWeights(NamedTuple):

@@ -3,8 +3,8 @@
 Unknown fields are accepted and ignored (extra="allow"), except the OpenAI fields this server
 cannot honour (`unsupported_fields`: logprobs, tools, response_format, ...), which are refused
 by name as vLLM does. Every string must be encodable UTF-8 (no lone surrogates such as
-"\\ud800"). Extensions: `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k`
-and `min_p`.
+"\\ud800"). Extensions: `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and
+vLLM's `top_k` and `min_p`.
 """
 
 from __future__ import annotations
