@@ -32,16 +32,15 @@ def spread_by_size(
 ) -> dict[int, int]:
     """Add `extra` tokens to `start` (default all 0), one at a time to the chunk furthest below
     its share by size (`sizes`: chunk -> tokens), never past a chunk's size."""
-    out = {i: (start or {}).get(i, 0) for i in sizes}
-    got = dict.fromkeys(sizes, 0)
+    base = {i: (start or {}).get(i, 0) for i in sizes}
+    out = dict(base)
     total = sum(sizes.values())
     for k in range(max(extra, 0)):
         open_ = [i for i in sizes if out[i] < sizes[i]]
         if not open_:
             break
-        i = max(open_, key=lambda j: (sizes[j] * (k + 1) / total - got[j], -j))
+        i = max(open_, key=lambda j: (sizes[j] * (k + 1) / total - (out[j] - base[j]), -j))
         out[i] += 1
-        got[i] += 1
     return out
 
 
