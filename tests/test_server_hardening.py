@@ -207,3 +207,36 @@ def test_a_client_leaving_an_n_stream_frees_every_choice(small: LoadedModel) -> 
         metrics = httpx.get(s.url + "/metrics", timeout=T).text
         assert "cachecraft_requests_aborted_total 3.0" in metrics  # each choice freed early
         assert httpx.post(s.url + CHAT, json=chat(), timeout=T).status_code == 200
+
+
+def test_messages_a_client_may_send(small: LoadedModel) -> None:
+    """A body without `model` was a 400 (vLLM serves its model); a `tool` message was dropped
+    without a word; an image part and a token-id prompt got pydantic's "Input should be a valid
+    string" for every branch of the union instead of what was wrong."""
+    with serving(small, ServerConfig()) as s:
+        body = chat()
+        del body["model"]
+        r = httpx.post(s.url + CHAT, json=body, timeout=T)
+        assert r.status_code == 200 and r.json()["model"] == small.name, r.text
+
+        def prompt_tokens(*messages: dict[str, str]) -> int:
+            r = httpx.post(s.url + CHAT, json=chat(messages=list(messages)), timeout=T)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        ask, hi = {"role": "user", "content": "weather?"}, {"role": "user", "content": "hi"}
+        tool = {"role": "tool", "content": "sunny and 21 degrees", "tool_call_id": "1"}
+        assert prompt_tokens(ask, tool, hi) > prompt_tokens(ask, hi)  # the tool result is read
+        r = httpx.post(s.url + CHAT, json=chat(messages=[ask, tool]), timeout=T)
+        assert "'tool'" in openai_error(r, 400)["message"]
+
+        image = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+        content = [{"type": "text", "text": "what is this?"}, image]
+        r = httpx.post(s.url + CHAT, json=chat(content=content), timeout=T)  # type: ignore[arg-type]
+        err = openai_error(r, 400)
+        assert err["param"] == "messages.0.content" and "'image_url'" in err["message"], err
+        assert "valid string" not in err["message"]
+
+        body = {"model": "cachecraft", "prompt": [1, 2, 3], "max_tokens": 2}
+        err = openai_error(httpx.post(s.url + "/v1/completions", json=body, timeout=T), 400)
+        assert err["param"] == "prompt" and "token-id" in err["message"], err

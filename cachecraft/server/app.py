@@ -357,7 +357,9 @@ def create_app(
     async def generate(
         request: Request, body: ChatCompletionRequest | CompletionRequest, base_ns: str
     ) -> Response:
-        if body.model not in model_names:
+        if body.model is None:
+            body.model = loaded.name
+        elif body.model not in model_names:
             raise ApiError(
                 404,
                 f"model {body.model!r} not found; this server serves {loaded.name!r}",

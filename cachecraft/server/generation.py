@@ -34,8 +34,9 @@ from cachecraft.server.protocol import (
 
 
 def to_rag(body: ChatCompletionRequest | CompletionRequest, namespace: str) -> RagRequest:
-    """system messages -> system; last user message -> question (earlier turns go in front of
-    it as a transcript); documents -> chunks. A completion's prompt is the question."""
+    """system messages -> system; last user message -> question (earlier turns, tool results
+    included, go in front of it as a transcript); documents -> chunks. A completion's prompt is
+    the question."""
     chunks = _chunks(body.documents)
     if isinstance(body, CompletionRequest):
         prompt = body.prompt if isinstance(body.prompt, str) else None
@@ -45,9 +46,13 @@ def to_rag(body: ChatCompletionRequest | CompletionRequest, namespace: str) -> R
             prompt = body.prompt[0]
         return RagRequest(prompt, chunks, namespace=namespace)
     system = "\n".join(m.text() for m in body.messages if m.role in ("system", "developer"))
-    turns = [m for m in body.messages if m.role in ("user", "assistant")]
+    turns = [m for m in body.messages if m.role in ("user", "assistant", "tool")]
     if not turns or turns[-1].role != "user":
-        raise BadRequestError("messages: the last user/assistant message must be from the user")
+        last = turns[-1].role if turns else "none"
+        raise BadRequestError(
+            f"messages: the last message (after any system ones) must be from the user, not "
+            f"{last!r}: this server answers a user's question"
+        )
     history = "".join(f"{m.role}: {m.text()}\n" for m in turns[:-1])
     question = turns[-1].text()
     if history and question.strip():

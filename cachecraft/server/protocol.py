@@ -2,7 +2,8 @@
 
 Unknown fields are accepted and ignored (extra="allow"), except the OpenAI fields this server
 cannot honour (`unsupported_fields`: logprobs, tools, response_format, ...), which are refused
-by name as vLLM does. Every string must be encodable UTF-8 (no lone surrogates such as
+by name as vLLM does, and input it cannot read (non-text content parts, token-id prompts),
+refused with what to send instead. `model` may be left out (the served model), as in vLLM. Every string must be encodable UTF-8 (no lone surrogates such as
 "\\ud800"). Extensions: `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and
 vLLM's `top_k` and `min_p`.
 """
@@ -61,6 +62,20 @@ class Message(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        """Name a part this server cannot read (an image, audio, a file) instead of reporting
+        that it failed every branch of the union."""
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"part {i} has type {kind!r}: this server reads text parts only"
+                    )
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -80,7 +95,7 @@ MIN_TEMPERATURE = 1e-3  # below it softmax(logits / t) overflows to inf / nan
 
 
 class _Generation(_Lenient):
-    model: StrictStr = Field(max_length=MAX_ID_CHARS)
+    model: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)  # None: served
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31)
     temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
@@ -130,6 +145,14 @@ class ChatCompletionRequest(_Generation):
 
 class CompletionRequest(_Generation):
     prompt: StrictStr | list[StrictStr]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_prompt(cls, v: Any) -> Any:
+        """Token-id prompts ([1, 2, 3] or [[1, 2], ...]) are named, not failed as strings."""
+        if isinstance(v, list) and v and all(isinstance(x, int | list) for x in v):
+            raise ValueError("token-id prompts are not supported: send the prompt as text")
+        return v
 
 
 class ChunksRequest(BaseModel):
