@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -84,6 +85,27 @@ def test_ramp_stops_at_the_first_saturated_rate_and_doubles_past_the_ladder() ->
     assert out["1"]["e2e_ms_p50"] > 3.0 * out["0.25"]["e2e_ms_p50"]
 
 
+def test_the_burst_replays_the_same_requests_after_any_ramp() -> None:
+    """Systems whose ramps stop at different runs still burst over one part of the stream."""
+    runs = [[WorkloadItem(str(i), RagRequest(f"q{i}?", [Chunk("c")]))] for i in range(4)]
+    opts = {"max_runs": 3, "latency_bound": 3.0, "burst": True}
+    seen: list[tuple[str, float]] = []
+    for capacity, ramp in ((0.1, ["0"]), (100.0, ["0", "1", "2"])):
+        seen.clear()
+
+        def run_at(items: list[WorkloadItem], rate: float, capacity: float = capacity) -> dict:
+            seen.append((items[0].id, rate))
+            e2e = 100.0 if rate <= capacity else 1000.0
+            return _summary(e2e) | {"throughput_rps": min(rate, capacity), "offered_rps": rate}
+
+        out = serve_bench._ramp_then_burst(run_at, runs, [0.5], opts)
+        assert [i for i, _ in seen] == [*ramp, "3"] and seen[-1][1] == math.inf
+        assert list(out)[-1] == "burst" and len(out) == len(ramp) + 1
+    seen.clear()
+    out = serve_bench._ramp_then_burst(run_at, runs, [0.5], opts | {"burst": False})
+    assert "burst" not in out and math.inf not in [r for _, r in seen]
+
+
 def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
     @contextmanager
     def fake_vllm() -> Iterator[SimpleNamespace]:
@@ -122,9 +144,12 @@ def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
     assert result["e2e_p50_ratio_prefix_over_cachecraft"] == expected
     tput = result["max_throughput_rps"]
     assert set(tput) == {*modes, "vllm"}
+    assert set(result["burst"]) == {*modes, "vllm"}
     for m in tput:
-        runs = [result["per_rate"][r][m]["throughput_rps"] for r in ("1", "2")]
-        assert tput[m] == max(runs)
+        runs = {r: result["per_rate"][r][m]["throughput_rps"] for r in ("1", "2")}
+        runs["burst"] = result["burst"][m]["throughput_rps"]
+        assert result["burst"][m]["num_completed"] == 3
+        assert tput[m] == max(runs.values()) == runs[result["max_throughput_run"][m]]
         assert result["computed_tokens_per_s"][m] is not None
     assert result["throughput_ratio_vs_vllm"] == round(tput["cachecraft"] / tput["vllm"], 3)
     for key in ("throughput_ratio_vs_prefix", "e2e_p50_ratio_vllm_over_cachecraft"):
@@ -164,6 +189,9 @@ def test_cli_parses_and_prints_json(fake_url: str, capsys: pytest.CaptureFixture
     assert (args.rates, args.requests, args.peer, args.json) == ([20.0, 40.0], 2, None, True)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--rates", "fast"])
+    assert (
+        parser.parse_args(["serve"]).burst and not parser.parse_args(["serve", "--no-burst"]).burst
+    )
 
     args = parser.parse_args(
         ["serve", "--json", "--rates", "20", "--requests", "2", "--warmup", "1", "--max-runs", "1"]
@@ -174,6 +202,7 @@ def test_cli_parses_and_prints_json(fake_url: str, capsys: pytest.CaptureFixture
     out = json.loads(captured.out)  # stdout stays pure JSON; progress goes to stderr
     assert "[bench serve] cachecraft: warming up with 1 requests" in captured.err
     assert "[bench serve] prefix: 20 req/s offered: 2 done" in captured.err
+    assert "[bench serve] prefix: burst (all at once): 2 done" in captured.err
     assert out["config"]["num_requests"] == 2 and out["chosen_rate"] == 20.0
     assert (
         out["config"]["warmup"] == 1 and out["per_rate"]["20"]["cachecraft"]["num_completed"] == 2

@@ -52,6 +52,12 @@ def add_bench_serve_parser(
     )
     parser.add_argument("--requests", type=int, default=16, help="requests per rate and mode")
     parser.add_argument(
+        "--no-burst",
+        dest="burst",
+        action="store_false",
+        help="skip the run that sends a run's requests all at once after the ramp",
+    )
+    parser.add_argument(
         "--warmup",
         type=int,
         default=8,
@@ -83,7 +89,7 @@ def add_bench_serve_parser(
 
 def _items(args: argparse.Namespace) -> list:
     """The whole stream: the warm-up, then `requests` for each run the ramp may make."""
-    n = args.warmup + args.max_runs * args.requests
+    n = args.warmup + (args.max_runs + args.burst) * args.requests
     if args.workload == "wiki-qa":
         from cachecraft.bench.wiki_qa import wiki_qa_zipf
 
@@ -113,6 +119,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         max_runs=args.max_runs,
         warmup=args.warmup,
         progress=_print_progress,
+        burst=args.burst,
     )
     result["config"]["workload"] = args.workload
     if args.json:
@@ -136,7 +143,10 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         "rej/err",
     ):
         table.add_column(col, justify="right")
-    for rate, by_mode in result["per_rate"].items():
+    runs = list(result["per_rate"].items())
+    if "burst" in result:
+        runs.append(("burst", result["burst"]))
+    for rate, by_mode in runs:
         for mode, s in by_mode.items():
             frac = s["computed_fraction"]
             table.add_row(
@@ -151,7 +161,8 @@ def main_serve_bench(args: argparse.Namespace) -> int:
             )
     console = Console()
     console.print(table)
-    for key in ("max_throughput_rps", "computed_tokens_per_s", "sustained_rate", "saturated"):
+    keys = ("max_throughput_rps", "max_throughput_run", "computed_tokens_per_s", "sustained_rate")
+    for key in (*keys, "saturated"):
         console.print(f"{key}: {result[key]}")
     common = result["common_rate"]
     note = "" if result["common_rate_is_sustained"] else " (not sustained by every system)"
