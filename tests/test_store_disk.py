@@ -136,6 +136,45 @@ def test_corrupted_layer_raises_in_layer_reader(tmp_path: Path) -> None:
     store.check_integrity()
 
 
+def test_a_store_written_with_blake2b_sums_still_reads_and_checks(tmp_path: Path) -> None:
+    """Checksums became CRC-32 (4.6x faster here); rows written before keep their untagged
+    blake2b sums, which still verify whole files and each layer, and still catch a flipped bit."""
+    import hashlib
+    import json
+
+    def blake(data: bytes) -> str:
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+    store = disk_store(tmp_path, memory_slots=0)
+    v = make_variant("a")
+    assert store.offer(v).stored
+    store.close()
+    path = file_of(tmp_path, v.variant_id)
+    tensors, _ = codec.encode(v)
+    sums = {
+        n: blake(t.contiguous().view(torch.uint8).numpy().tobytes()) for n, t in tensors.items()
+    }
+    tier = DiskTier(tmp_path, 1 << 20)
+    (old_sum,) = tier._db.execute("SELECT checksum FROM variants").fetchone()
+    assert old_sum.startswith(codec.CRC)
+    tier._db.execute(
+        "UPDATE variants SET checksum=?, tensor_sums=?",
+        (blake(path.read_bytes()), json.dumps(sums)),
+    )
+    tier.close()
+    store = disk_store(tmp_path, memory_slots=0)
+    got = store.load(v.variant_id)
+    assert got is not None and torch.equal(got.keys, v.keys)
+    reader = store.open_layers(v.variant_id)
+    assert reader is not None and torch.equal(reader.layer(0)[1], v.values[0])
+    reader.close()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert store.load(v.variant_id) is None and not path.exists()
+    store.close()
+
+
 def test_layer_reader_reads_every_layer_and_counts_time(tmp_path: Path) -> None:
     store = disk_store(tmp_path, memory_slots=0)
     v = make_variant("a", num_layers=4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import zlib
 
 import torch
 from safetensors.torch import load as st_load
@@ -24,8 +25,24 @@ class CorruptVariantError(ValueError):
     """Stored bytes fail their checksum or cannot be decoded."""
 
 
-def checksum(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+CRC = "crc32:"
+
+
+def checksum(data: bytes | memoryview) -> str:
+    """CRC-32 of the bytes, tagged: a check against corruption (not tampering) that runs at
+    ~2.2 GB/s here, where blake2b ran at 0.47 GB/s and, computed twice over every variant
+    written (file and tensors), took half the CPU time of committing one to disk."""
+    return f"{CRC}{zlib.crc32(data):08x}"
+
+
+def matches(data: bytes | memoryview, want: str | None) -> bool:
+    """Does `data` have checksum `want`? An untagged `want` is the blake2b of stores written
+    before the switch to CRC-32, and is still honoured."""
+    if want is None:
+        return False
+    if want.startswith(CRC):
+        return checksum(data) == want
+    return hashlib.blake2b(data, digest_size=16).hexdigest() == want
 
 
 def meta_to_json(meta: VariantMeta) -> str:
@@ -96,11 +113,17 @@ def to_bytes(variant: Variant, int8: bool = False) -> bytes:
     return st_save(tensors, metadata=header)
 
 
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (for a contiguous tensor)."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
 def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {
-        name: checksum(t.contiguous().view(torch.uint8).numpy().tobytes())
-        for name, t in tensors.items()
-    }
+    return {name: checksum(_tensor_bytes(t)) for name, t in tensors.items()}
+
+
+def tensor_matches(t: torch.Tensor, want: str | None) -> bool:
+    return matches(_tensor_bytes(t), want)
 
 
 def decode_layer(

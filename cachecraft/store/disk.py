@@ -274,7 +274,7 @@ class DiskTier:
                 want = rows.get(name)
                 if want is not None:
                     try:
-                        if codec.checksum((self.root / name).read_bytes()) == want:
+                        if codec.matches((self.root / name).read_bytes(), want):
                             kept += 1
                             continue
                     except OSError:
@@ -356,7 +356,7 @@ class DiskTier:
             data = (self.root / file).read_bytes()
         except FileNotFoundError:
             data = b""
-        if len(data) != size or codec.checksum(data) != want:
+        if len(data) != size or not codec.matches(data, want):
             self._corrupt(variant_id, file, "checksum/size mismatch")
             return None
         try:

@@ -66,7 +66,7 @@ class FileLayerReader:
 
     def _get(self, name: str) -> torch.Tensor:
         t = self._file.get_tensor(name)
-        if codec.tensor_checksums({name: t})[name] != self._sums.get(name):
+        if not codec.tensor_matches(t, self._sums.get(name)):
             if self._on_corrupt is not None:
                 self._on_corrupt()
             raise codec.CorruptVariantError(f"tensor {name} fails its checksum")

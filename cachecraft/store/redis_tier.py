@@ -102,7 +102,7 @@ class RedisTier:
         data, want = got
         if data is None:
             return None
-        if want is None or codec.checksum(data) != want.decode():
+        if want is None or not codec.matches(data, want.decode()):
             return self._corrupt(variant_id, "checksum mismatch")
         try:
             variant = codec.from_bytes(data, device)
