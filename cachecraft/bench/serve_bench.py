@@ -191,7 +191,8 @@ def _with_rate(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 Runs = dict[str, dict[str, Any]]
-"""One system's runs: {rate key: summary}, plus "burst" when it ran one."""
+"""One system's runs: {rate key: summary}, plus BURST when it ran one."""
+BURST = "burst"
 
 
 def _ramp_then_burst(
@@ -209,9 +210,6 @@ def _ramp_then_burst(
     if opts["burst"]:
         out[BURST] = run_at(runs[opts["max_runs"]], math.inf)
     return out
-
-
-BURST = "burst"
 
 
 def _run_ours(
@@ -309,10 +307,10 @@ def run_serve_bench(
     each run the next part of the stream (`split_stream`), caches warm throughout; then, with
     `burst`, one run of `num_requests` sent at once (its throughput is the capacity).
 
-    `start_server` is a factory (a fresh server per mode) or a {mode: base URL} mapping. Reported: per system the maximum throughput it
-    reached (the best of its runs, the burst included) and its computed prompt tokens/s there
-    (`max_throughput_run` names the run); latencies at
-    `common_rate`, the highest rate every system sustained. `ignore_eos` makes every mode
+    `start_server` is a factory (a fresh server per mode) or a {mode: base URL} mapping.
+    Reported: per system the maximum throughput it reached (the best of its runs, the burst
+    included; `max_throughput_run` names the run) and its computed prompt tokens/s there;
+    latencies at `common_rate`, the highest rate every system sustained. `ignore_eos` makes every mode
     generate exactly `max_tokens`, so latencies compare prefill work, not answer lengths.
     `peer_server` replaces the vLLM launcher (tests)."""
     if not rates or any(r <= 0 for r in rates):

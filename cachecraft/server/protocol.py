@@ -3,9 +3,10 @@
 Unknown fields are accepted and ignored (extra="allow"), except the OpenAI fields this server
 cannot honour (`unsupported_fields`: logprobs, tools, response_format, ...), which are refused
 by name as vLLM does, and input it cannot read (non-text content parts, token-id prompts),
-refused with what to send instead. `model` may be left out (the served model), as in vLLM. Every string must be encodable UTF-8 (no lone surrogates such as
-"\\ud800"). Extensions: `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and
-vLLM's `top_k` and `min_p`.
+refused with what to send instead. `model` may be left out (the served model), as in vLLM.
+Every string must be encodable UTF-8 (no lone surrogates such as "\\ud800"). Extensions:
+`documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k` and
+`min_p`.
 """
 
 from __future__ import annotations
