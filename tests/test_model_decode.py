@@ -129,6 +129,10 @@ def test_pool_slots_growth_and_release(tiny: LoadedModel) -> None:
     assert c is not None and c.slot == 2 and pool.capacity >= grown + 5
     assert bool((a.k[:, :, :10] == 3.0).all()) and a.capacity == pool.capacity
     assert not bool(c.k.any())  # a free slot is not copied: handed out empty
+    # keys live transposed (capacity last), so a decode step reads K^T as a plain operand
+    assert pool.k_t.is_contiguous() and pool.k_t.shape[-1] == pool.capacity
+    assert bool((pool.k_t[:, a.slot, :, :, :10] == 3.0).all())
+    assert bool((pool.k_t[:, a.slot, :, :, 10:] == 0).all())
     pool.check_integrity()
     assert pool.acquire(4) is None  # no free slot
     pool.release(b)

@@ -5,7 +5,8 @@ group reads k[layer, first:end, :, :length] as one view (no copy), padded to its
 context, with a key mask built once per step and shared by every layer (none when every slot
 of the group decodes at the same length). The attention is two batched matmuls and a softmax
 (one query row per head: on this CPU 8% less time per decode step at B=16 than SDPA's flash
-kernel, same values to ~1e-7). A group grows while the padding it reads stays
+kernel, same values to ~1e-7); the scores read the pool's transposed keys (k_t) as a plain
+GEMM operand. A group grows while the padding it reads stays
 small, so mixed context lengths split into a few calls instead of one that reads mostly
 padding. Slots inside a group's range that do not decode get a zero query on key 0 only;
 their output is dropped.
@@ -129,8 +130,8 @@ def attend_decode(
     """Write the rows' fresh (rotated) K/V into their slots, attend: q [B, H, D], k, v
     [B, Hkv, D] in sorted row order -> [B, H * D]."""
     pool = plan.pool
-    kl, vl = pool.k[layer], pool.v[layer]  # [slots, Hkv, capacity, D]
-    kl[plan.slots, :, plan.positions] = k.to(kl.dtype)
+    kl, vl = pool.k_t[layer], pool.v[layer]  # [slots, Hkv, D, capacity], [slots, Hkv, capacity, D]
+    kl[plan.slots, :, :, plan.positions] = k.to(kl.dtype)
     vl[plan.slots, :, plan.positions] = v.to(vl.dtype)
     num_rows, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
@@ -145,9 +146,9 @@ def attend_decode(
             full = qg.new_zeros((n, num_kv, group, head_dim))
             full[g.at] = qg
             qg = full
-        keys = kl[g.first : g.end, :, : g.length].to(q.dtype)
+        keys_t = kl[g.first : g.end, ..., : g.length].to(q.dtype)  # [n, Hkv, D, length]
         values = vl[g.first : g.end, :, : g.length].to(q.dtype)
-        scores = torch.matmul(qg * scale, keys.transpose(-1, -2))  # [n, Hkv, group, length]
+        scores = torch.matmul(qg * scale, keys_t)  # [n, Hkv, group, length]
         if g.hidden is not None:
             scores.masked_fill_(g.hidden, float("-inf"))
         o = torch.matmul(torch.softmax(scores, -1), values)

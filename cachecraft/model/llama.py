@@ -269,6 +269,8 @@ class LlamaModel:
             kv_k[:, pos] = k.to(kv_k.dtype)
             kv_v[:, pos] = v.to(kv_v.dtype)
         keys = kv_k[:, : last + 1].to(q.dtype)
+        if keys.stride(-1) != 1:  # a pool slot's keys are stored transposed: one copy here
+            keys = keys.contiguous()  # (~0.1 ms per layer at 800 positions) beats SDPA on them
         values = kv_v[:, : last + 1].to(q.dtype)
         window = self.arch.sliding_window
         wants_stats = work.span_bounds is not None and bool(s.stats_rows.any())
