@@ -117,6 +117,45 @@ def test_per_span_last_layer_keeps_given_kv_above(tiny: LoadedModel) -> None:
     assert (kv2.v[:2, :, 20:40] - full_kv.v[:2, :, 20:40]).abs().max() < 1e-5
 
 
+def test_rows_nobody_reads_skip_the_rest_of_their_layer(tiny: LoadedModel) -> None:
+    """A row's o-proj and MLP at a layer run only if the next layer or the logits read them:
+    at the top layer only the logit rows, at a row's last layer none of it; the K/V and the
+    logits are those of the forward that runs every row through."""
+    layers = tiny.model.layers
+    seen: dict[int, list[int]] = {}
+
+    class Count:
+        def __init__(self, i: int) -> None:
+            self.i, self.inner = i, layers[i].o
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            seen.setdefault(self.i, []).append(x.shape[0])
+            return self.inner(x)
+
+    ids = _ids(60, seed=8)
+    ref, ref_kv = _full(tiny, ids, "all")
+    top = len(layers) - 1
+    originals = list(layers)
+    try:
+        for i in (1, top):
+            layers[i] = layers[i]._replace(o=Count(i))
+        res, kv = _full(tiny, ids, "last")
+        assert seen == {1: [60], top: [1]}
+        assert (res.logits[-1] - ref.logits[-1]).abs().max() < 1e-4
+        assert torch.equal(kv.k, ref_kv.k) and torch.equal(kv.v, ref_kv.v)
+        seen.clear()
+        last = torch.full((60,), top)
+        last[10:50] = 1  # 40 rows stop after layer 1: their layer-1 MLP is never read
+        kv2 = KVCache(tiny.arch, 60, torch.float32, "cpu")
+        work = SeqWork(kv2, ids, torch.arange(60), last_layer=last, logits_for="last")
+        out = tiny.model.forward_step([work])[0]
+        assert seen == {1: [20], top: [1]}
+        assert out.rows_last_layer.tolist() == last.tolist()
+        assert torch.equal(kv2.k[:2], ref_kv.k[:2]) and torch.equal(kv2.v[:2], ref_kv.v[:2])
+    finally:
+        layers[:] = originals
+
+
 def test_batched_step_equals_separate(tiny: LoadedModel) -> None:
     a, b = _ids(70, seed=6), _ids(30, seed=7)
     ra, _ = _full(tiny, a)

@@ -244,12 +244,53 @@ class LlamaModel:
         if dplan is not None:  # the decode rows: [B, H, D] queries, [B, Hkv, D] keys/values
             q, k, v = qk[start:, :nh], qk[start:, nh:], vals[start:]
             attn[start:] = attend_decode(dplan, layer_idx, q, k, v)
+        # Rows that stop here (their K/V at this layer are all they give) skip the rest of
+        # the layer; their h stays stale and is never read (compacted away, or no logits).
+        rows = self._going_on(states, layer_idx, num_rows)
+        if rows is None:
+            return self._mlp(h, attn, w)
+        if rows.numel():
+            h.index_copy_(0, rows, self._mlp(h[rows], attn[rows], w))
+        return h
+
+    def _mlp(self, h: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """The rest of a layer after attention: o-proj, residual, norm, MLP, residual."""
         h = h + w.o(attn)
-        x = _rms_norm(h, w.ln2, arch.rms_norm_eps)
+        x = _rms_norm(h, w.ln2, self.arch.rms_norm_eps)
         gate, up = w.gate_up(x).chunk(2, dim=-1)
         # In place, same values: the SiLU on its own product, the residual on the h made
         # above (at 2,048 rows one layer's MLP and o-proj took 44.2 -> 43.3 ms on 2 threads).
         return h.add_(w.down(F.silu(gate, inplace=True).mul_(up)))
+
+    def _going_on(self, states: list[_Rows], layer_idx: int, num_rows: int) -> torch.Tensor | None:
+        """Indexes into this layer's rows of those whose output of this layer is read: rows
+        computed at the next layer, and at the top layer the rows logits are asked for (and
+        every decode row, after the states' rows). None: all of them. A full prefill skips the
+        top layer's o-proj and MLP for every row but its last; a check or early exit, a layer
+        of it for every row it stops."""
+        top = self.arch.num_layers - 1
+        if layer_idx < top and all(s.work.last_layer is None and not s.work.hooks for s in states):
+            return None  # nothing can stop before the top layer
+        parts: list[torch.Tensor] = []
+        start = 0
+        for s in states:
+            n = s.positions.shape[0]
+            keep = s.last_layer > layer_idx if layer_idx < top else self._wants_logits(s)
+            parts.append(torch.nonzero(keep).flatten() + start)
+            start += n
+        parts.append(torch.arange(start, num_rows))  # decode rows
+        rows = torch.cat(parts)
+        return None if rows.numel() == num_rows else rows
+
+    @staticmethod
+    def _wants_logits(s: _Rows) -> torch.Tensor:
+        """bool [rows still computed]: the rows of `s` whose logits its work asks for."""
+        mode = s.work.logits_for
+        if mode == "all":
+            return torch.ones_like(s.index, dtype=torch.bool)
+        if mode == "last":
+            return s.index == s.work.positions.shape[0] - 1
+        return torch.zeros_like(s.index, dtype=torch.bool)
 
     def _attend(
         self, s: _Rows, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
