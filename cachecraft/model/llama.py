@@ -269,6 +269,8 @@ class LlamaModel:
         top layer's o-proj and MLP for every row but its last; a check or early exit, a layer
         of it for every row it stops."""
         top = self.arch.num_layers - 1
+        if not states:
+            return None  # decode rows only: every one wants its logits
         if layer_idx < top and all(s.work.last_layer is None and not s.work.hooks for s in states):
             return None  # nothing can stop before the top layer
         parts: list[torch.Tensor] = []
