@@ -212,7 +212,8 @@ def test_a_client_leaving_an_n_stream_frees_every_choice(small: LoadedModel) -> 
 def test_messages_a_client_may_send(small: LoadedModel) -> None:
     """A body without `model` was a 400 (vLLM serves its model); a `tool` message was dropped
     without a word; an image part and a token-id prompt got pydantic's "Input should be a valid
-    string" for every branch of the union instead of what was wrong."""
+    string" for every branch of the union instead of what was wrong; a blank document or a
+    conversation of system messages only got messages that named neither."""
     with serving(small, ServerConfig()) as s:
         body = chat()
         del body["model"]
@@ -240,3 +241,10 @@ def test_messages_a_client_may_send(small: LoadedModel) -> None:
         body = {"model": "cachecraft", "prompt": [1, 2, 3], "max_tokens": 2}
         err = openai_error(httpx.post(s.url + "/v1/completions", json=body, timeout=T), 400)
         assert err["param"] == "prompt" and "token-id" in err["message"], err
+
+        system = {"role": "system", "content": "be brief"}
+        r = httpx.post(s.url + CHAT, json=chat(messages=[system]), timeout=T)
+        assert "no user message" in openai_error(r, 400)["message"]
+        body = chat(documents=[{"text": "Paris is in France."}, {"text": " \n "}])
+        err = openai_error(httpx.post(s.url + CHAT, json=body, timeout=T), 400)
+        assert err["param"] == "documents.1.text" and "whitespace" in err["message"], err

@@ -47,11 +47,12 @@ def to_rag(body: ChatCompletionRequest | CompletionRequest, namespace: str) -> R
         return RagRequest(prompt, chunks, namespace=namespace)
     system = "\n".join(m.text() for m in body.messages if m.role in ("system", "developer"))
     turns = [m for m in body.messages if m.role in ("user", "assistant", "tool")]
-    if not turns or turns[-1].role != "user":
-        last = turns[-1].role if turns else "none"
+    if not turns:
+        raise BadRequestError("messages: there is no user message; give the question as one")
+    if turns[-1].role != "user":
         raise BadRequestError(
             f"messages: the last message (after any system ones) must be from the user, not "
-            f"{last!r}: this server answers a user's question"
+            f"{turns[-1].role!r}: this server answers a user's question"
         )
     history = "".join(f"{m.role}: {m.text()}\n" for m in turns[:-1])
     question = turns[-1].text()

@@ -53,6 +53,13 @@ class Document(BaseModel):
     id: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
     text: StrictStr = Field(min_length=1)
 
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("a document holds only whitespace; leave it out")
+        return v
+
 
 class TextPart(_Lenient):
     type: Literal["text"]
