@@ -6,7 +6,10 @@ slot, so splicing, prefill and variant code stay unchanged. Keys are stored tran
 k_t [layers, slots, Hkv, D, capacity] (`k` is its [.., capacity, D] view): a decode step's
 q.K^T then reads each key matrix as a plain (not transposed) GEMM operand, which on this CPU
 is memory-bound instead of 1.7x slower (32 sequences of 512 positions, one thread: the step's
-attention matmuls 92 -> 71 ms, the step 222 -> 207 ms). The pool
+attention matmuls 92 -> 71 ms, the step 222 -> 207 ms). The price is paid by writers and
+prefill readers, which now write and read keys across the grain: splicing five 150-token
+chunks into a slot took 14.1-14.5 -> 17.6-23.0 ms, and a prefill copies a slot's keys once per
+layer (~0.1 ms at 800 positions) for SDPA; a decode step at B=16 saves ~15 ms. The pool
 grows (all slots at once) when a sequence needs more positions; `acquire` refuses (None)
 when no slot is free or growing would pass `max_bytes`, and the caller then uses a plain
 KVCache of its own.

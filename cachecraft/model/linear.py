@@ -11,7 +11,9 @@ GEMV/GEMM reads the plain weight faster than oneDNN reads the packed one (SmolLM
 one thread, A/B in one process: one row 60 -> 53 ms per step; two rows, layers and head,
 56-63 -> 42-53 ms; from three rows on oneDNN is as fast or faster). `keep_plain` keeps the
 plain weight beside the packed one for those products, at the cost of a second copy in
-memory.
+memory. Rechecked on an Intel Xeon VM (AVX-512, one thread, all 30 layers, both arms
+alternating): one row plain 38.5 ms vs packed 46.5, two rows 41.7 vs 51.4, four rows 71.5 vs
+53.4; the head alone at one row 9.7 vs 11.2 ms.
 """
 
 from __future__ import annotations
