@@ -41,7 +41,9 @@ class KVCache:
     Writers fill any positions (a spliced cache is filled out of order); `length` is the
     number of leading positions a forward may read. A cache may be a slot of a `KVPool`
     (`pool`, `slot` set): then k, v are views into the pool's tensors and growing it grows the
-    pool (the views are re-pointed, so never hold k or v across a call that may grow it).
+    pool (the views are re-pointed, so never hold k or v across a call that may grow it); such
+    a k is a transposed view (the pool stores keys [D, capacity]), so readers that need
+    contiguous keys copy them.
     """
 
     def __init__(
