@@ -53,6 +53,12 @@ def _linear_bytes(state_dict: dict[str, torch.Tensor], dtype: torch.dtype, tied:
     return size * sum(state_dict[n].numel() for n in names)
 
 
+def _may_stop(states: list[_Rows]) -> bool:
+    """Can any row stop before the top layer (a per-row last layer, or a hook that may stop
+    rows)?"""
+    return any(s.work.last_layer is not None or s.work.hooks for s in states)
+
+
 class _Rows:
     """Book-keeping of one sequence's active rows during a step."""
 
@@ -197,7 +203,7 @@ class LlamaModel:
     def _compact(self, h: torch.Tensor, states: list[_Rows], layer_idx: int) -> torch.Tensor | None:
         """Drop rows whose last layer is below `layer_idx` (they keep their given K/V above);
         None when every row goes on. Decode rows (after the states' rows) always go on."""
-        if all(s.work.last_layer is None and not s.work.hooks for s in states):
+        if not _may_stop(states):
             return None  # nothing can have stopped: skip the per-sequence checks
         keeps = [s.last_layer >= layer_idx for s in states]
         if all(bool(k.all()) for k in keeps):
@@ -271,7 +277,7 @@ class LlamaModel:
         top = self.arch.num_layers - 1
         if not states:
             return None  # decode rows only: every one wants its logits
-        if layer_idx < top and all(s.work.last_layer is None and not s.work.hooks for s in states):
+        if layer_idx < top and not _may_stop(states):
             return None  # nothing can stop before the top layer
         parts: list[torch.Tensor] = []
         start = 0
