@@ -40,6 +40,19 @@ def test_peer_runs_with_its_own_openmp_waiting(
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path)
 
 
+def test_peer_gets_as_many_cores_as_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU worker binds a thread to every core unless told which: the bind list
+    carries the thread count (one thread: one core we may run on); a list the user set stays."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    ours = sorted(os.sched_getaffinity(0))
+    env = vllm_env(1, 2, tmp_path)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(ours[0])
+    many = vllm_env(len(ours) + 4, 2, tmp_path)["VLLM_CPU_OMP_THREADS_BIND"]
+    assert [int(c) for c in many.split(",")] == ours
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert vllm_env(1, 2, tmp_path)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
 def test_parse_prefix_cache_stats() -> None:
     assert parse_prefix_cache_stats(METRICS) == {"queries": 3320.0, "hits": 1632.0}
 

@@ -1,7 +1,7 @@
 """The real peer: vLLM's OpenAI server with automatic prefix caching, run from its own venv.
 
-`VllmServer` starts it as a subprocess on a free loopback port with the settings of
-docs/peers.md (fp32, 32-token blocks, eager, 2 threads) and stops it; `prefix_cache_stats`
+`VllmServer` starts it as a subprocess on a free loopback port (fp32, 32-token blocks, eager,
+its OpenMP threads bound to as many cores as ours use) and stops it; `prefix_cache_stats`
 reads its prefix-cache counters from /metrics. The venv comes from `make peer-vllm`, never
 from `make setup`; nothing here imports vllm.
 """
@@ -50,11 +50,17 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 def vllm_env(num_threads: int, kvcache_gib: float, cache_root: Path) -> dict[str, str]:
     """The environment of a vLLM child process: our environment plus the settings that make
-    the comparison fair on this CPU (all cores, a fixed KV space, a private cache directory),
-    without our PYTHONPATH (never leak our venv's packages into the peer) and without the
-    OpenMP waiting the `cachecraft` command chose for itself (`OPENMP_WAIT_VARS`): vLLM runs
-    with its own defaults, as its users run it (inheriting OMP_WAIT_POLICY=PASSIVE made its
-    decode step at B=16 take ~2x as long)."""
+    the comparison fair on this CPU (`num_threads` cores, a fixed KV space, a private cache
+    directory), without our PYTHONPATH (never leak our venv's packages into the peer) and
+    without the OpenMP waiting the `cachecraft` command chose for itself (`OPENMP_WAIT_VARS`):
+    vLLM runs with its own defaults, as its users run it (inheriting OMP_WAIT_POLICY=PASSIVE
+    made its decode step at B=16 take ~2x as long).
+
+    vLLM's CPU worker ignores OMP_NUM_THREADS: by default it binds one OpenMP thread to every
+    core of its NUMA node. So the thread count is given as its bind list, the first
+    `num_threads` CPUs we may run on (a list the caller set in VLLM_CPU_OMP_THREADS_BIND is
+    kept). Before this, `bench decode --threads 1` set one of our threads against two of
+    vLLM's."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(num_threads),
@@ -62,10 +68,21 @@ def vllm_env(num_threads: int, kvcache_gib: float, cache_root: Path) -> dict[str
         "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
         "VLLM_CACHE_ROOT": str(cache_root),
     }
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind_list(num_threads))
     env.pop("PYTHONPATH", None)
     for name in OPENMP_WAIT_VARS:
         env.pop(name, None)
     return env
+
+
+def bind_list(num_threads: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for `num_threads` threads: the lowest CPU ids this
+    process may run on, e.g. "0,1"; "nobind" (OMP_NUM_THREADS alone decides) where the
+    platform cannot say which CPUs those are."""
+    if not hasattr(os, "sched_getaffinity"):
+        return "nobind"
+    cpus = sorted(os.sched_getaffinity(0))[: max(1, num_threads)]
+    return ",".join(str(c) for c in cpus)
 
 
 def free_port() -> int:

@@ -246,12 +246,16 @@ def _run_vllm(
     opts: dict[str, Any],
     peer_server: Callable[[], AbstractContextManager[Any]] | None,
 ) -> tuple[Runs, dict[str, Any]]:
+    import torch
     from transformers import AutoTokenizer
 
     from cachecraft.bench.peer_vllm import VllmServer, prefix_cache_stats
 
     warm_items, runs = stream
-    make = peer_server or (lambda: VllmServer(opts.get("model_dir"), opts["peer_python"]))
+    threads = torch.get_num_threads()  # our server's threads (in process); vLLM gets as many
+    make = peer_server or (
+        lambda: VllmServer(opts.get("model_dir"), opts["peer_python"], num_threads=threads)
+    )
     with make() as srv:
         tokenizer = AutoTokenizer.from_pretrained(srv.model_dir)
         kw = {
