@@ -136,6 +136,8 @@ class Engine:
         self.num_aborted = 0
         self.num_failed = 0
         self.recent_steps: deque[StepStat] = deque(maxlen=4096)
+        self.num_threads = torch.get_num_threads()
+        """torch threads of the step thread: the creating thread's count (cachecraft/env.py)."""
         model = runner.loaded.model
         self.pool: KVPool | None = None
         if c.kv_pool_mib:
@@ -244,6 +246,7 @@ class Engine:
 
     # ---- the step thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        torch.set_num_threads(self.num_threads)  # this thread's own; helpers may have set 1
         try:
             self._loop()
         except BaseException:

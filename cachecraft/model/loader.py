@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from cachecraft.env import cache_home
+from cachecraft.env import cache_home, torch_threads
 from cachecraft.errors import ModelLoadError
 from cachecraft.model.arch import ModelArch
 from cachecraft.model.llama import LlamaModel
@@ -161,8 +161,6 @@ def load_model(
     cache_dir: Path | None = None,
 ) -> LoadedModel:
     """Load the model named by `spec` (None: the bundled SmolLM2-135M-Instruct)."""
-    from transformers import AutoConfig, AutoTokenizer
-
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     try:
@@ -171,7 +169,14 @@ def load_model(
         raise ModelLoadError(f"unknown device {device!r} ({e})") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} asked for but CUDA is not available")
-    directory = resolve_model_dir(spec, cache_dir)
+    with torch_threads(1):  # no OpenMP workers left behind on this thread (cachecraft/env.py)
+        directory = resolve_model_dir(spec, cache_dir)
+        return _load(spec, directory, dtype, device)
+
+
+def _load(spec: str | None, directory: Path, dtype: str, device: str) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
     try:
         hf_config = AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
+from cachecraft.env import one_torch_thread
 from cachecraft.store import codec
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ class ReadAheadLayerReader:
     def __init__(self, inner: LayerReader, on_close: Callable[[float, float], None] | None = None):
         self.inner = inner
         self.num_layers = inner.num_layers
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-read")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="layer-read", initializer=one_torch_thread
+        )
         self._ahead: dict[int, Future[tuple[tuple[torch.Tensor, torch.Tensor], float]]] = {}
         self._on_close = on_close
         self.read_s = 0.0
