@@ -13,12 +13,15 @@ peer benchmark passes the environment on to its child, less OPENMP_WAIT_VARS).
 * `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` (read): set by the user, they win over
   `tune_allocator`.
 
-One OpenMP team computes (`torch_threads`, `one_torch_thread`): each thread that runs a
-parallel torch operation gets its own team of OpenMP workers, and once the workers of all
-teams outnumber the cores, GNU OpenMP stops spinning between operations (with PASSIVE, not at
-all), so every operation of the forward pays for waking its workers. The model is loaded on
-one thread, helper threads (layer read-ahead, store prefetch, tokenizing) run torch on one
-thread, and the engine's step thread sets the process's thread count for itself.
+One OpenMP team computes (`torch_threads`): each thread that runs a parallel torch operation
+gets its own team of OpenMP workers, and once the workers of all teams outnumber the cores,
+GNU OpenMP stops spinning between operations (with PASSIVE, not at all), so every operation of
+the forward pays for waking its workers. The model is loaded on one thread, so the loading
+thread keeps no workers, and the engine's step thread sets the thread count of the thread
+that made the engine. Helper threads (layer read-ahead, store prefetch) are left alone: giving
+them one thread with `torch.set_num_threads(1)` made a served burst ~1.6x slower (not pinned
+down; that call also clears oneDNN's primitive cache and lowers the count every new thread
+starts with).
 """
 
 from __future__ import annotations
@@ -94,12 +97,3 @@ def torch_threads(num_threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def one_torch_thread() -> None:
-    """Make this (helper) thread run torch operations on one thread, starting no OpenMP team of
-    its own; a ThreadPoolExecutor `initializer`. Threads started later default to one thread
-    too (torch keeps one count for new threads); the engine's step thread sets its own."""
-    import torch
-
-    torch.set_num_threads(1)

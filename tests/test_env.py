@@ -47,8 +47,7 @@ def test_allocator_tuned_in_a_fresh_process() -> None:
 
 
 _COUNT_TEAMS = """
-import os, sys, threading, torch
-from cachecraft import env
+import os, sys, torch
 from cachecraft.model.loader import load_model
 
 def threads():
@@ -58,26 +57,17 @@ torch.set_num_threads(2)
 base = threads()
 load_model(sys.argv[1])
 after_load = threads()
-seen = []
-def helper():
-    env.one_torch_thread()
-    torch.ones(1 << 22).mul_(2)  # large enough for a parallel region
-    seen.append(threads())
-worker = threading.Thread(target=helper)
-worker.start()
-worker.join()
 count = torch.get_num_threads()
-torch.ones(1 << 22).mul_(2)  # this thread's team: its second thread appears
-print(base, after_load, seen[0], count, threads())
+torch.ones(1 << 22).mul_(2)  # large enough for a parallel region: its second thread appears
+print(base, after_load, count, threads())
 """
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_loading_and_helpers_start_no_openmp_team(tiny_dir: Path) -> None:
+def test_loading_starts_no_openmp_team(tiny_dir: Path) -> None:
     """In a process of its own: loading the model on a 2-thread thread leaves no OpenMP worker
-    behind, a helper thread with `one_torch_thread` runs a parallel-sized product without one
-    (only the helper itself is there), the loader's own count is restored, and its first
-    parallel product does start a worker (so the count would see one)."""
+    behind, the thread's count is restored, and its first parallel product does start a
+    worker (so the count would see one)."""
     out = subprocess.run(
         [sys.executable, "-c", _COUNT_TEAMS, str(tiny_dir)],
         capture_output=True,
@@ -85,22 +75,25 @@ def test_loading_and_helpers_start_no_openmp_team(tiny_dir: Path) -> None:
         check=True,
         env={**os.environ, "OMP_NUM_THREADS": "2"},
     ).stdout.split()
-    base, after_load, in_helper, count, after_product = map(int, out)
+    base, after_load, count, after_product = map(int, out)
     assert after_load == base
-    assert in_helper == base + 1
     assert count == 2
     assert after_product == base + 1
 
 
 def test_engine_step_thread_keeps_its_creators_thread_count(tiny: LoadedModel) -> None:
-    """A helper thread's `one_torch_thread` lowers the count new threads start with; the
+    """Another thread lowering torch's count lowers the count new threads start with; the
     engine's step thread still runs with the count of the thread that made the engine."""
-    helper = threading.Thread(target=env.one_torch_thread)
+    want = torch.get_num_threads()
+    helper = threading.Thread(target=torch.set_num_threads, args=(1,))
     helper.start()
     helper.join()
-    stack = build_stack("full", loaded=tiny, engine=EngineConfig(mode="full"))
     try:
-        got = stack.engine.call(torch.get_num_threads).result(timeout=60)
+        stack = build_stack("full", loaded=tiny, engine=EngineConfig(mode="full"))
+        try:
+            got = stack.engine.call(torch.get_num_threads).result(timeout=60)
+        finally:
+            close_stack(stack)
     finally:
-        close_stack(stack)
-    assert got == torch.get_num_threads() == stack.engine.num_threads
+        torch.set_num_threads(want)  # the count new threads start with, for later tests
+    assert got == want == stack.engine.num_threads

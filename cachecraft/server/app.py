@@ -28,7 +28,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cachecraft.config import MODES
 from cachecraft.engine.engine import Engine, EngineStopped
 from cachecraft.engine.scheduler import QueueFull
-from cachecraft.env import one_torch_thread
 from cachecraft.errors import CachecraftError, PinLimitError, StoreUnavailableError
 from cachecraft.server import chunks
 from cachecraft.server.config import ServerConfig
@@ -216,9 +215,7 @@ def create_app(
     chunks.forget_unstored(store, state.registry)
     # Tokenization (CPU work proportional to the text) runs here, never on the step thread;
     # one worker: HF fast tokenizers are not meant to be shared across threads.
-    state.tokenize = ThreadPoolExecutor(
-        1, thread_name_prefix="cachecraft-tokenize", initializer=one_torch_thread
-    )
+    state.tokenize = ThreadPoolExecutor(1, thread_name_prefix="cachecraft-tokenize")
     loaded = engine.runner.loaded
     model_names = {loaded.name, *config.model_aliases}
     max_ctx = loaded.arch.max_position_embeddings

@@ -16,7 +16,6 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from cachecraft.env import one_torch_thread
 from cachecraft.store import codec
 
 logger = logging.getLogger(__name__)
@@ -91,9 +90,7 @@ class ReadAheadLayerReader:
     def __init__(self, inner: LayerReader, on_close: Callable[[float, float], None] | None = None):
         self.inner = inner
         self.num_layers = inner.num_layers
-        self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="layer-read", initializer=one_torch_thread
-        )
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-read")
         self._ahead: dict[int, Future[tuple[tuple[torch.Tensor, torch.Tensor], float]]] = {}
         self._on_close = on_close
         self.read_s = 0.0

@@ -18,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from cachecraft.env import one_torch_thread
 from cachecraft.errors import PinLimitError, StoreUnavailableError
 from cachecraft.store.base import OfferResult, RefusalReason, StorageDtype, TierHealth
 from cachecraft.store.config import StoreConfig
@@ -76,9 +75,7 @@ class TieredStore:
         self._use = 0
         self._closed = False
         self._lock = threading.RLock()
-        self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="store-prefetch", initializer=one_torch_thread
-        )
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-prefetch")
         self._inflight: dict[str, Future[float]] = {}
         self._prefetched: dict[str, float] = {}  # id -> background load seconds, not yet used
         # Slow reads run without the lock; a removal meanwhile must not be undone by placing
