@@ -246,7 +246,7 @@ class Engine:
 
     # ---- the step thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        torch.set_num_threads(self.num_threads)  # this thread's own; helpers may have set 1
+        torch.set_num_threads(self.num_threads)  # its own: another thread may have changed it
         try:
             self._loop()
         except BaseException:
