@@ -1,4 +1,5 @@
-"""Fused attention statistics: one SDPA call returns the output and each row's mass per span."""
+"""Fused attention statistics: one SDPA call returns the output and each row's mass per span;
+the probe's key meter: one score matrix gives the output and the mass on each key."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from cachecraft.model.attention import (
     MAX_PAD_SHARE,
     ROW_BLOCK,
+    attention_key_mass,
     causal_attention,
     row_span_mass,
     span_onehot,
@@ -89,3 +91,21 @@ def test_rows_after_a_cached_prefix_equal_the_full_prefill_rows() -> None:
     full, _ = causal_attention(q, k, v, torch.arange(ctx), None)
     rows, _ = causal_attention(q[:, pad:], k, v, torch.arange(pad, ctx), None)
     assert torch.equal(rows, full[:, pad:])
+
+
+@pytest.mark.parametrize("case", ["partial-fold", "suffix-long-prefix", "window", "decode"])
+def test_key_meter_output_equals_plain_and_mass_equals_brute_force(case: str) -> None:
+    q_pos, window = CASES[case]
+    g = torch.Generator().manual_seed(1)
+    num_heads, num_kv, d, ctx = 6, 2, 16, int(q_pos[-1]) + 1
+    q = 3 * torch.randn(num_heads, len(q_pos), d, generator=g)
+    k = 3 * torch.randn(num_kv, ctx, d, generator=g)
+    v = torch.randn(num_kv, ctx, d, generator=g)
+    rows = q_pos >= q_pos[len(q_pos) // 2]  # the meter counts the later half of the rows
+    out, mass = attention_key_mass(q, k, v, q_pos, window, rows)
+    plain, _ = causal_attention(q, k, v, q_pos, window)
+    assert torch.allclose(out, plain, atol=1e-5)
+    _, probs = _brute(q, k, v, q_pos, window)
+    assert mass.shape == (ctx,)
+    assert torch.allclose(mass, probs[:, rows].mean((0, 1)), atol=1e-6)
+    assert torch.isclose(mass.sum(), torch.tensor(1.0), atol=1e-5)  # each row's mass sums to 1

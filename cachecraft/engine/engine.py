@@ -29,7 +29,7 @@ from cachecraft.config import MODES
 from cachecraft.engine.handle import Failed, Finished, Planned, RequestHandle, Token
 from cachecraft.engine.options import RequestExtras, RequestOptions, StepStat, force_tokens
 from cachecraft.engine.request import SeqState
-from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner
+from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner, Spliced
 from cachecraft.engine.sampling import SamplingParams, make_generator, sample
 from cachecraft.engine.scheduler import QueueFull, Scheduler
 from cachecraft.errors import BadRequestError
@@ -351,6 +351,61 @@ class Engine:
                 self._fail(rid, RuntimeError("the engine step failed for this request"))
 
     def _start(self, live: _Live) -> None:
+        """`_splice`, its probe alone (if any) and the job."""
+        spliced = self._splice(live)
+        result = None
+        if spliced.probe is not None:
+            try:
+                result = self.runner.loaded.model.forward_step([spliced.probe.work])[0]
+            except Exception:
+                spliced.loader.close()
+                raise
+        live.job = self.runner.build(spliced, result)
+
+    @staticmethod
+    def _is_starting(live: _Live) -> bool:
+        """Its prefill has no job yet, or none of its rows ran: (re)start it this step."""
+        assert live.state is not None
+        return live.job is None or live.state.num_done_rows == 0
+
+    def _start_all(self, lives: list[_Live]) -> None:
+        """Start the prefills of this step: splice each, run all their probes through ONE
+        forward (one pass over the weights for all; if it fails, each alone so that only
+        failing ones fail), build the jobs. A request that fails here fails alone."""
+        spliced: list[tuple[_Live, Spliced]] = []
+        for live in lives:
+            try:
+                spliced.append((live, self._splice(live)))
+            except Exception as e:
+                self._fail(live.handle.request_id, e)
+        probes = [(live, s) for live, s in spliced if s.probe is not None]
+        results: dict[str, SeqResult] = {}
+        if probes:
+            model = self.runner.loaded.model
+            try:
+                works = [s.probe.work for _, s in probes if s.probe is not None]
+                for (live, _), result in zip(probes, model.forward_step(works), strict=True):
+                    results[live.handle.request_id] = result
+            except Exception:
+                log.exception("the probe pass over %d requests failed; isolating", len(probes))
+                for live, s in probes:
+                    assert s.probe is not None
+                    try:
+                        results[live.handle.request_id] = model.forward_step([s.probe.work])[0]
+                    except Exception as e:
+                        s.loader.close()
+                        self._fail(live.handle.request_id, e)
+        for live, s in spliced:
+            rid = live.handle.request_id
+            if s.probe is not None and rid not in results:
+                continue  # failed above
+            try:
+                live.job = self.runner.build(s, results.get(rid))
+            except Exception as e:
+                s.loader.close()
+                self._fail(rid, e)
+
+    def _splice(self, live: _Live) -> Spliced:
         """Plan again (variants stored while this request waited, by requests admitted before
         it, become hits; metadata only, so cheap) and splice its KV. A chunk-cache found corrupt
         while splicing (a probe reads every layer up front) was dropped by the store, so
@@ -362,8 +417,7 @@ class Engine:
                 extra = live.state.max_tokens + len(live.options.forced if live.options else ())
                 if live.kv is None:
                     live.kv = self._new_cache(live.plan.layout.num_tokens + extra)
-                live.job = self.runner.start(live.plan, extra, live.t_submit, kv=live.kv)
-                return
+                return self.runner.splice(live.plan, extra, live.t_submit, kv=live.kv)
             except CorruptVariantError:
                 if attempt:
                     raise
@@ -371,6 +425,7 @@ class Engine:
                     "request %s: a chunk-cache was corrupt; planning it again",
                     live.handle.request_id,
                 )
+        raise AssertionError("unreachable")
 
     def _new_cache(self, capacity: int) -> KVCache:
         """A pool slot (decodes batched with the others) or, when none fits, a cache of its own."""
@@ -505,22 +560,19 @@ class Engine:
         works: list[SeqWork] = []
         order: list[tuple[str, bool]] = []  # (request id, is_prefill) per work
         spans: dict[str, tuple[int, int]] = {}  # prefill rows a..b-1 of its job this step
+        starting = [rid for rid in out.prefill_ids if self._is_starting(self._live[rid])]
+        self._start_all([self._live[rid] for rid in starting])
         for rid, count in zip(out.prefill_ids, out.prefill_rows, strict=True):
-            live = self._live[rid]
+            live = self._live.get(rid)
+            if live is None:
+                continue  # failed to start
             state = live.state
-            assert live.plan is not None and state is not None
-            if state.num_done_rows == 0 or live.job is None:
-                try:
-                    self._start(live)
-                except Exception as e:
-                    self._fail(rid, e)
-                    continue
-                assert live.job is not None
+            assert live.plan is not None and state is not None and live.job is not None
+            if rid in starting:
                 work = live.job.work
                 live.pieces, state.num_done_rows = [], 0
                 state.num_prefill_rows = len(live.job.rows)  # a re-plan may have changed it
                 state.can_split = not work.hooks and work.last_layer is None
-            assert live.job is not None
             total, a = state.num_prefill_rows, state.num_done_rows
             b = min(total, a + count) if state.can_split else total
             works.append(live.job.work if (a, b) == (0, total) else piece(live.job.work, a, b))

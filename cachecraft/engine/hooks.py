@@ -1,8 +1,8 @@
-"""Layer hooks the runner installs: adaptive early termination, CacheBlend's selection and
-the question probe's attention meter.
+"""Layer hooks the runner installs: adaptive early termination and CacheBlend's selection
+(the question probe measures with the model's KeyMeter, model/step.py).
 
-The first two return a keep mask over the rows computed at their layer; rows set False keep
-their given (cached) K/V for the layers above. The meter only reads.
+Both return a keep mask over the rows computed at their layer; rows set False keep their
+given (cached) K/V for the layers above.
 """
 
 from __future__ import annotations
@@ -94,42 +94,3 @@ class DeviationSelect:
                 top = torch.topk(dev[rows], min(left, rows.numel())).indices
                 keep[rows[top]] = True
         return keep
-
-
-@dataclass(slots=True)
-class QuestionAttention:
-    """Adds up, per key position below `context`, the attention the rows at positions >=
-    `question_start` give it (softmax over all keys they see; mean over heads and rows), one
-    term per layer it is called at. Returns None: it never stops a row."""
-
-    question_start: int
-    context: int
-    total: torch.Tensor | None = None
-    num_layers: int = 0
-
-    def __call__(self, view: LayerView) -> torch.Tensor | None:
-        rows = view.positions >= self.question_start
-        if not bool(rows.any()):
-            return None
-        q, pos = view.q[:, rows], view.positions[rows]  # [H, n, D], [n]
-        keys = view.keys  # [Hkv, ctx, D]
-        num_heads, n, dim = q.shape
-        num_kv, ctx = keys.shape[0], keys.shape[1]
-        group = num_heads // num_kv
-        qg = (q * dim**-0.5).reshape(num_kv, group * n, dim)
-        scores = torch.matmul(qg, keys.transpose(1, 2)).view(num_heads, n, ctx).float()
-        k_pos = torch.arange(ctx, device=pos.device)
-        mask = k_pos[None, :] <= pos[:, None]
-        if view.window is not None:
-            mask &= k_pos[None, :] > pos[:, None] - view.window
-        scores.masked_fill_(~mask, float("-inf"))
-        mass = torch.softmax(scores, dim=-1).mean((0, 1))[: self.context]  # [context]
-        self.total = mass if self.total is None else self.total + mass
-        self.num_layers += 1
-        return None
-
-    def mean(self) -> torch.Tensor:
-        """[context]: the mean over the layers seen (zeros if none)."""
-        if self.total is None:
-            return torch.zeros(self.context)
-        return self.total / self.num_layers

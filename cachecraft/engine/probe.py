@@ -13,26 +13,44 @@ the last reused chunk: computed chunks and the question). The probe then runs in
 no copy, no re-rotation, and nothing the prefill reads before writing it changes. Otherwise it
 runs over a scratch cache: keys before the first moved position are copied as they are, only
 the moved ones are re-rotated, and only the probe's layers are filled.
+
+The probe is a SeqWork of its own (`probe_work`), so the engine runs the probes of every
+request starting in a step through ONE forward (one pass over the weights for all of them);
+its layers measure with a KeyMeter (explicit scores that give the output too), never SDPA
+plus a second score matrix beside it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from cachecraft.engine.hooks import QuestionAttention
 from cachecraft.model.kv import KVCache
 from cachecraft.model.llama import LlamaModel
-from cachecraft.model.step import SeqWork
+from cachecraft.model.step import KeyMeter, SeqResult, SeqWork
 from cachecraft.reuse.plan import RecomputePlan
 
 
-def probe_attention(
-    model: LlamaModel, kv: KVCache, plan: RecomputePlan
-) -> list[list[float] | None]:
-    """Per chunk of `plan`, the question's attention on each of its tokens (mean over heads,
-    question rows and the probe's layers); None for chunks not reused. `kv` must hold every
-    layer of the reused chunks (and of the prefix when `plan.prefix_hit`). The probe may
-    write `kv` only at positions the prefill computes at every layer (see the module doc)."""
+@dataclass(slots=True)
+class Probe:
+    """A request's probe pass: `work` to run (alone or beside other probes), and per chunk of
+    the plan its span in the probe's context (None: not reused, not measured)."""
+
+    work: SeqWork
+    where: list[tuple[int, int] | None]
+
+    def scores(self, result: SeqResult) -> list[list[float] | None]:
+        """Per chunk, the question's attention on each of its tokens, from the work's result."""
+        assert result.key_mass is not None
+        mass = result.key_mass.tolist()
+        return [None if w is None else mass[w[0] : w[1]] for w in self.where]
+
+
+def probe_work(model: LlamaModel, kv: KVCache, plan: RecomputePlan) -> Probe:
+    """The probe pass of `plan` over `kv`, which must hold every layer of the reused chunks
+    (and of the prefix when `plan.prefix_hit`). Running it may write `kv` only at positions
+    the prefill computes at every layer (see the module doc)."""
     probe = plan.probe
     if probe is None:
         raise ValueError("the plan has no probe")
@@ -56,19 +74,27 @@ def probe_attention(
     if not plan.prefix_hit:  # the prefix has no K/V yet: compute it in the probe as well
         rows = list(range(p)) + rows
         ids = list(layout.prefix_ids) + ids
-    hook = QuestionAttention(question_start=m, context=m)
     n = len(rows)
+    top = model.arch.num_layers - 1
     work = SeqWork(
         context,
         torch.tensor(ids, dtype=torch.long),
         torch.tensor(rows, dtype=torch.long),
-        last_layer=torch.full((n,), probe.last_layer, dtype=torch.long),
-        hooks=dict.fromkeys(range(probe.first_layer, probe.last_layer + 1), hook),
+        last_layer=None if probe.last_layer >= top else torch.full((n,), probe.last_layer),
         logits_for="none",
+        meter=KeyMeter(m, probe.first_layer, probe.last_layer),
     )
-    model.forward_step([work])
-    scores = hook.mean().tolist()
-    return [None if w is None else scores[w[0] : w[1]] for w in where]
+    return Probe(work, where)
+
+
+def probe_attention(
+    model: LlamaModel, kv: KVCache, plan: RecomputePlan
+) -> list[list[float] | None]:
+    """Per chunk of `plan`, the question's attention on each of its tokens (mean over heads,
+    question rows and the probe's layers); None for chunks not reused. One probe alone
+    (`probe_work` and its forward)."""
+    probe = probe_work(model, kv, plan)
+    return probe.scores(model.forward_step([probe.work])[0])
 
 
 def _scratch(

@@ -1,8 +1,10 @@
 """Runner: turn a request into a plan, assemble its KV, run the partial prefill, make variants.
 
 plan(request, mode)  -> RecomputePlan            (store metadata + prefix cache state)
-start(plan)          -> PrefillJob (KV spliced: prefix cache + moved chunk K/V; the probe
-                        pass if the plan has one, which fixes the plan's rows; SeqWork)
+splice(plan)         -> Spliced (KV spliced: prefix cache + moved chunk K/V; the probe's
+                        SeqWork if the plan has one)
+model.forward_step([spliced.probe.work, ...])    (the probes, the engine's all in one pass)
+build(spliced, probe result) -> PrefillJob (the probe fixes the plan's rows; SeqWork)
 model.forward_step([job.work, ...])              (one or many jobs batched by the engine)
 finish(job, result)  -> PrefillOutcome (first-token logits, report)
 commit(outcome)      -> new variants assembled and offered to the store, the prefix cached:
@@ -21,7 +23,7 @@ from cachecraft.config import MODES, ReuseConfig
 from cachecraft.engine.hooks import DeviationSelect, EarlyTermination
 from cachecraft.engine.layer_loader import LayerLoader
 from cachecraft.engine.prefix_cache import PrefixCache
-from cachecraft.engine.probe import probe_attention
+from cachecraft.engine.probe import Probe, probe_work
 from cachecraft.engine.report import ChunkReport, RequestReport
 from cachecraft.engine.variants import make_variants
 from cachecraft.errors import BadRequestError
@@ -38,6 +40,18 @@ from cachecraft.store.meta import VariantMeta
 from cachecraft.store.variant import Variant
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Spliced:
+    """A request between splicing and its prefill: its K/V in place; `probe` (the plan has
+    one) still to run, its result to be given to `Runner.build`."""
+
+    plan: RecomputePlan
+    kv: KVCache
+    loader: LayerLoader
+    t_start: float
+    probe: Probe | None = None
 
 
 @dataclass(slots=True)
@@ -129,12 +143,28 @@ class Runner:
         precompute: bool = False,
         kv: KVCache | None = None,
     ) -> PrefillJob:
-        """Splice the KV, run the plan's probe (if any), build the SeqWork. A variant that
-        cannot be loaded becomes a miss; a prefix the cache dropped is computed.
+        """`splice`, the probe alone (if the plan has one), `build`."""
+        spliced = self.splice(plan, extra_capacity, t_start, kv=kv)
+        result = None
+        if spliced.probe is not None:
+            try:
+                result = self.loaded.model.forward_step([spliced.probe.work])[0]
+            except Exception:
+                spliced.loader.close()
+                raise
+        return self.build(spliced, result, precompute)
 
-        Statistics are collected only for missed chunks the store would admit (`precompute`:
-        for every chunk, whatever the store would say). `kv`: the cache to fill (the engine's
-        pool slot; emptied first); None: a new one."""
+    def splice(
+        self,
+        plan: RecomputePlan,
+        extra_capacity: int = 0,
+        t_start: float | None = None,
+        *,
+        kv: KVCache | None = None,
+    ) -> Spliced:
+        """Splice the KV and make the plan's probe (if any). A variant that cannot be loaded
+        becomes a miss; a prefix the cache dropped is computed. `kv`: the cache to fill (the
+        engine's pool slot; emptied first); None: a new one."""
         t0 = time.perf_counter() if t_start is None else t_start
         m, layout = self.loaded, plan.layout
         capacity = layout.num_tokens + extra_capacity
@@ -153,21 +183,36 @@ class Runner:
         for i, cp in enumerate(plan.chunks):
             if not self._splice(loader, cp):
                 plan = as_miss(plan, i)
+        if plan.is_resolved:
+            return Spliced(plan, kv, loader, t0)
+        try:
+            loader.fill_all()  # the probe reads every layer of the reused chunks up front
+            return Spliced(plan, kv, loader, t0, probe_work(m.model, kv, plan))
+        except Exception:
+            loader.close()
+            raise
+
+    def build(
+        self, spliced: Spliced, probe_result: SeqResult | None = None, precompute: bool = False
+    ) -> PrefillJob:
+        """The prefill of a spliced request: its probe's result (required when it has a
+        probe) fixes the rows. Statistics are collected only for missed chunks the store
+        would admit (`precompute`: for every chunk, whatever the store would say)."""
+        plan, kv, loader = spliced.plan, spliced.kv, spliced.loader
         probe_rows = 0
-        if not plan.is_resolved:
-            try:
-                loader.fill_all()  # the probe reads every layer of the reused chunks up front
-            except Exception:
-                loader.close()
-                raise
+        if spliced.probe is not None:
+            if probe_result is None:
+                raise ValueError("the request's probe has not run")
             probe_rows = plan.num_probe_rows
-            plan = resolve_probe(plan, probe_attention(m.model, kv, plan))
+            plan = resolve_probe(plan, spliced.probe.scores(probe_result))
         positions = torch.tensor(plan.rows(), dtype=torch.long)
-        ids = torch.tensor(layout.token_ids, dtype=torch.long)[positions]
+        ids = torch.tensor(plan.layout.token_ids, dtype=torch.long)[positions]
         work = SeqWork(kv, ids, positions)
         if loader.num_readers and not probe_rows:
             work.before_layer = loader.fill_layer
-        job = PrefillJob(plan, kv, work, positions, t0, loader=loader, probe_rows=probe_rows)
+        job = PrefillJob(
+            plan, kv, work, positions, spliced.t_start, loader=loader, probe_rows=probe_rows
+        )
         self._add_stats(job, precompute)
         self._add_hooks(job)
         return job

@@ -224,3 +224,32 @@ def span_mass(
 ) -> torch.Tensor:
     """Mean over rows and heads of the attention mass rows put on each span: q [H, m, D] -> [S]."""
     return row_span_mass(q, k, q_pos, bounds, window).mean(0)
+
+
+def attention_key_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: int | None,
+    meter_rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with explicit scores, for the few rows of a probe: q [H, n, D] at sorted
+    positions q_pos [n]; k, v [Hkv, ctx, D] with ctx = q_pos[-1] + 1; meter_rows bool [n].
+
+    Returns (out [H, n, D], mass [ctx]): the output as `causal_attention` gives it (to float
+    rounding), and per key position the attention probability the selected rows give it
+    (mean over heads and those rows). One score matrix serves both, so the probe pays for
+    its scores once rather than for SDPA and the scores beside it."""
+    num_heads, n, head_dim = q.shape
+    num_kv, ctx = k.shape[0], k.shape[1]
+    group = num_heads // num_kv
+    qg = q.reshape(num_kv, group * n, head_dim)  # the query heads of a KV group as rows
+    allowed = _mask(q_pos, ctx, window).repeat(group, 1)  # [group * n, ctx]
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device)
+    bias.masked_fill_(~allowed, float("-inf"))
+    scores = torch.baddbmm(bias[None], qg.float(), k.float().transpose(1, 2), alpha=head_dim**-0.5)
+    probs = torch.softmax(scores, dim=-1)  # [Hkv, group * n, ctx]
+    out = torch.bmm(probs.to(v.dtype), v).view(num_heads, n, head_dim)
+    mass = probs.view(num_heads, n, ctx)[:, meter_rows].mean((0, 1))
+    return out, mass

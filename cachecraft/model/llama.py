@@ -17,7 +17,13 @@ import torch.nn.functional as F
 
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.arch import ModelArch
-from cachecraft.model.attention import RowPlan, causal_attention, plan_rows, span_onehot
+from cachecraft.model.attention import (
+    RowPlan,
+    attention_key_mass,
+    causal_attention,
+    plan_rows,
+    span_onehot,
+)
 from cachecraft.model.decode import DecodePlan, attend_decode, plan_decode
 from cachecraft.model.linear import Linear, can_pack
 from cachecraft.model.rope import Rope
@@ -79,6 +85,10 @@ class _Rows:
         self.mass_layers: torch.Tensor | None = None
         self.mass_rows: torch.Tensor | None = None
         self.row_layers: torch.Tensor | None = None
+        self.key_total: torch.Tensor | None = None  # the KeyMeter's sum over its layers
+        self.key_layers = 0
+        if work.meter is not None and work.span_bounds is not None:
+            raise ValueError("a work measures span statistics or a key meter, not both")
         if work.span_bounds is not None:
             self.mass_layers = torch.zeros((num_layers, num_spans, num_spans))
             self.mass_rows = torch.zeros((n, num_spans))
@@ -99,6 +109,21 @@ class _Rows:
         if self.attn_plan is None or self.attn_plan.q_pos is not self.positions:
             self.attn_plan = plan_rows(self.positions, window, num_heads, num_kv, dtype)
         return self.attn_plan
+
+    def add_key_mass(self, mass: torch.Tensor) -> None:
+        """One layer's KeyMeter measure [meter.start]."""
+        mass = mass.float()
+        self.key_total = mass if self.key_total is None else self.key_total + mass
+        self.key_layers += 1
+
+    def key_mass(self) -> torch.Tensor | None:
+        """The KeyMeter's mean over the layers it measured (zeros if none; None: no meter)."""
+        meter = self.work.meter
+        if meter is None:
+            return None
+        if self.key_total is None:
+            return torch.zeros(meter.start)
+        return self.key_total / self.key_layers
 
 
 class LlamaModel:
@@ -324,8 +349,17 @@ class LlamaModel:
         window = self.arch.sliding_window
         wants_stats = work.span_bounds is not None and bool(s.stats_rows.any())
         onehot = s.onehot if wants_stats else None
-        plan = s.plan(window, q.shape[0], keys.shape[0], q.dtype)
-        out, mass = causal_attention(q, keys, values, pos, window, onehot, plan)
+        meter = work.meter
+        metered = None
+        if meter is not None and meter.first_layer <= layer_idx <= meter.last_layer:
+            metered = pos >= meter.start
+        if metered is not None and bool(metered.any()):
+            out, key_mass = attention_key_mass(q, keys, values, pos, window, metered)
+            s.add_key_mass(key_mass[: meter.start])
+            mass = None
+        else:
+            plan = s.plan(window, q.shape[0], keys.shape[0], q.dtype)
+            out, mass = causal_attention(q, keys, values, pos, window, onehot, plan)
         if mass is not None:
             sel = s.stats_rows
             self._collect(s, s.index[sel], layer_idx, mass[sel].float())
@@ -388,7 +422,9 @@ class LlamaModel:
             row_mass = None
             if s.mass_rows is not None and s.row_layers is not None:
                 row_mass = s.mass_rows / s.row_layers.clamp(min=1)[:, None]
-            results.append(SeqResult(seq_logits, s.final_last_layer, s.mass_layers, row_mass))
+            results.append(
+                SeqResult(seq_logits, s.final_last_layer, s.mass_layers, row_mass, s.key_mass())
+            )
         decode_logits = None
         if dplan is not None:
             decode_logits = logits[-1]

@@ -42,6 +42,17 @@ Hook = Callable[[LayerView], "torch.Tensor | None"]
 that row after this layer; its K/V at higher layers stay as given) or None to keep all."""
 
 
+@dataclass(frozen=True, slots=True)
+class KeyMeter:
+    """The question probe's measure: the rows at positions >= `start` report, at layers
+    first_layer..last_layer, the attention they give each key position below `start` (mean
+    over heads and those rows, then over the layers): SeqResult.key_mass."""
+
+    start: int
+    first_layer: int
+    last_layer: int
+
+
 @dataclass(slots=True)
 class SeqWork:
     """One sequence's share of a forward step.
@@ -53,6 +64,8 @@ class SeqWork:
     span_bounds [S, 2]: if given, collect attention mass per span (see SeqResult) for the rows
     selected by stats_rows (bool [n]; None: all rows). Only those rows pay for explicit scores.
     hooks: layer -> Hook; hooks_need_old: also pass the K/V the write replaced.
+    meter: measure the attention some rows give each key (see KeyMeter; those layers run
+    their attention with explicit scores).
     before_layer(l): called before layer l runs, to fill given K/V of that layer just in time
     (layer-wise loading of chunk-caches overlaps with the compute of the layer before).
     logits_for: "last" (the last row), "all" rows, or "none".
@@ -68,6 +81,7 @@ class SeqWork:
     hooks_need_old: bool = False
     before_layer: Callable[[int], None] | None = None
     logits_for: str = "last"
+    meter: KeyMeter | None = None
 
 
 @dataclass(slots=True)
@@ -77,12 +91,14 @@ class SeqResult:
     rows_last_layer [n]: the layer each row was last computed at (after hooks).
     span_mass_layers [L, S, S]: row-summed mass from each span's computed rows to each span.
     row_span_mass [n, S]: per row, mass per span averaged over the layers it was computed at.
+    key_mass [meter.start]: what the work's KeyMeter measured (None without one).
     """
 
     logits: torch.Tensor
     rows_last_layer: torch.Tensor
     span_mass_layers: torch.Tensor | None = None
     row_span_mass: torch.Tensor | None = None
+    key_mass: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -110,12 +126,12 @@ class StepOutput(NamedTuple):
 
 def piece(work: SeqWork, start: int, end: int) -> SeqWork:
     """Rows start..end-1 of `work` as a SeqWork of their own (a piece of a prefill split over
-    several steps; later pieces read the K/V earlier ones wrote). Only a work without hooks or
-    per-row last layers can be split; its layer loader goes with the first piece (it fills
-    every layer of the reused K/V as that piece's forward reaches it); logits as asked, from
-    the last piece only."""
-    if work.hooks or work.last_layer is not None:
-        raise ValueError("a work with hooks or per-row last layers runs whole")
+    several steps; later pieces read the K/V earlier ones wrote). Only a work without hooks,
+    a meter or per-row last layers can be split; its layer loader goes with the first piece
+    (it fills every layer of the reused K/V as that piece's forward reaches it); logits as
+    asked, from the last piece only."""
+    if work.hooks or work.last_layer is not None or work.meter is not None:
+        raise ValueError("a work with hooks, a key meter or per-row last layers runs whole")
     n = work.positions.shape[0]
     return SeqWork(
         work.kv,
