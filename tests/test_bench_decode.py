@@ -1,6 +1,10 @@
-"""`bench decode` (ours): engine steps with exactly B sequences decoding are found and timed."""
+"""`bench decode`: engine steps with exactly B sequences decoding are found and timed; the peer
+takes turns with us, B by B, round by round."""
 
 from __future__ import annotations
+
+import statistics
+import sys
 
 import pytest
 
@@ -22,3 +26,42 @@ def test_decode_bench_rejects_bad_sizes(tiny: LoadedModel) -> None:
         run_decode_bench(tiny, batches=(0,))
     with pytest.raises(CachecraftError, match="no peer venv"):
         run_decode_bench(tiny, batches=(1,), context=16, steps=2, peer="vllm", peer_python="/nope")
+
+
+def _fake_peer(tmp_path, body: str):
+    """A stand-in for the peer venv's python: it ignores the vLLM script and speaks the
+    bench's line protocol itself (READY, then one RESULT per batch size read)."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\nimport sys\n{body}\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_decode_bench_takes_turns_with_the_peer_and_pairs_the_rounds(
+    tiny: LoadedModel, tmp_path
+) -> None:
+    log = tmp_path / "peer.log"
+    fake = _fake_peer(
+        tmp_path,
+        "print('some vLLM log line'); print('READY', flush=True)\n"
+        "for line in sys.stdin:\n"
+        f"    open({str(log)!r}, 'a').write(line)\n"
+        "    print('RESULT', 1000.0 * int(line), flush=True)",
+    )
+    result = run_decode_bench(
+        tiny, batches=(1, 2), context=16, steps=2, peer="vllm", peer_python=fake, rounds=2
+    )
+    assert log.read_text().split() == ["1", "1", "2", "2"]  # B by B, a turn per round
+    rounds = result["rounds_ms"]
+    assert rounds["vllm"] == {"1": [1000.0, 1000.0], "2": [2000.0, 2000.0]}
+    assert all(len(v) == 2 and None not in v for v in rounds["ours"].values())
+    for b in ("1", "2"):
+        want = statistics.median(round(o / (1000.0 * int(b)), 3) for o in rounds["ours"][b])
+        assert result["step_ratio_vs_vllm"][b] == pytest.approx(want, abs=1e-3)
+        assert result["step_ms"]["ours"][b] == pytest.approx(statistics.median(rounds["ours"][b]))
+
+
+def test_decode_bench_reports_a_peer_that_dies(tiny: LoadedModel, tmp_path) -> None:
+    fake = _fake_peer(tmp_path, "print('ImportError: no module named vllm'); sys.exit(3)")
+    with pytest.raises(CachecraftError, match=r"exit 3\):\nImportError: no module named vllm"):
+        run_decode_bench(tiny, batches=(1,), context=16, steps=2, peer="vllm", peer_python=fake)

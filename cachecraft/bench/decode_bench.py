@@ -6,16 +6,24 @@ decoded exactly B sequences and prefilled nothing (median over those steps). vLL
 from its own venv, prefix caching on, same thread count) decodes the same B prompts as token
 ids: its step is (T(1 + steps tokens) - T(1 token)) / steps over repeated, prefix-cached
 prompts, so both timings hold the same short cached prefill and cancel it.
+
+Both sides stay loaded for the whole run and take turns, B by B, `rounds` times: ours, then
+vLLM, then ours again... (never at the same time). This VM's speed drifts by 20-30% over
+minutes, so one side measured minutes after the other compared the drift as much as the
+code; the ratio reported per B is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +49,7 @@ from cachecraft.request import RagRequest
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCHES = (1, 4, 16, 32)
+DEFAULT_ROUNDS = 2
 
 
 def _prompt_ids(m: LoadedModel, context: int, seed: int) -> list[int]:
@@ -51,43 +60,47 @@ def _prompt_ids(m: LoadedModel, context: int, seed: int) -> list[int]:
     return m.tokenizer(words, add_special_tokens=False)["input_ids"][:context]
 
 
-def ours_step_ms(
-    m: LoadedModel, batches: Sequence[int], context: int, steps: int
-) -> dict[str, float | None]:
-    """Median engine step time (ms) with exactly B sequences decoding, per B."""
-    top = max(batches)
-    config = EngineConfig(token_budget=max(2048, top), max_running=top, max_queue=top, mode="full")
-    stack = build_stack(loaded=m, store=memory_config(1 << 20), engine=config)
-    engine = stack.engine
-    out: dict[str, float | None] = {}
-    try:
-        for b in batches:
-            first = len(engine.recent_steps)
-            # long enough that the first request still decodes when the last one's prefill
-            # is done (prefills share the token budget), then `steps` steps with all B
-            admit_steps = -(-b * (context + 64) // config.token_budget) + 1
-            sampling = SamplingParams(max_tokens=steps + 1 + admit_steps, ignore_eos=True)
-            handles = []
-            for i in range(b):
-                text = m.tokenizer.decode(_prompt_ids(m, context, 1000 * b + i))
-                handles.append(engine.submit(RagRequest(text, []), sampling))
-            for h in handles:
-                while True:
-                    event = h.get(timeout=1800)
-                    if isinstance(event, Failed):
-                        raise CachecraftError(f"decode bench request failed: {event.error}")
-                    if isinstance(event, Finished):
-                        break
-            times = [
-                s.ms
-                for s in list(engine.recent_steps)[first:]
-                if s.num_prefills == 0 and s.num_decodes == b
-            ]
-            out[str(b)] = round(statistics.median(times), 1) if times else None
-            logger.info("ours B=%d: %s ms over %d steps", b, out[str(b)], len(times))
-    finally:
-        close_stack(stack)
-    return out
+class OursDecode:
+    """Our engine, built once, timing decode steps at any B up to `max_batch`."""
+
+    def __init__(self, m: LoadedModel, max_batch: int, context: int, steps: int) -> None:
+        self.m, self.context, self.steps = m, context, steps
+        self.config = EngineConfig(
+            token_budget=max(2048, max_batch),
+            max_running=max_batch,
+            max_queue=max_batch,
+            mode="full",
+        )
+        self.stack = build_stack(loaded=m, store=memory_config(1 << 20), engine=self.config)
+
+    def measure(self, b: int) -> float | None:
+        """Median engine step time (ms) with exactly `b` sequences decoding."""
+        m, engine = self.m, self.stack.engine
+        first = len(engine.recent_steps)
+        # long enough that the first request still decodes when the last one's prefill is
+        # done (prefills share the token budget), then `steps` steps with all b
+        admit_steps = -(-b * (self.context + 64) // self.config.token_budget) + 1
+        sampling = SamplingParams(max_tokens=self.steps + 1 + admit_steps, ignore_eos=True)
+        handles = []
+        for i in range(b):
+            text = m.tokenizer.decode(_prompt_ids(m, self.context, 1000 * b + i))
+            handles.append(engine.submit(RagRequest(text, []), sampling))
+        for h in handles:
+            while True:
+                event = h.get(timeout=1800)
+                if isinstance(event, Failed):
+                    raise CachecraftError(f"decode bench request failed: {event.error}")
+                if isinstance(event, Finished):
+                    break
+        times = [
+            s.ms
+            for s in list(engine.recent_steps)[first:]
+            if s.num_prefills == 0 and s.num_decodes == b
+        ]
+        return round(statistics.median(times), 1) if times else None
+
+    def close(self) -> None:
+        close_stack(self.stack)
 
 
 _VLLM_SCRIPT = r"""
@@ -100,71 +113,116 @@ def main():
     llm = LLM(model=cfg["model_dir"], dtype="float32", block_size=32, enforce_eager=True,
               enable_prefix_caching=True, max_num_seqs=max(cfg["batches"]),
               max_model_len=cfg["context"] + cfg["steps"] + 64, seed=0)
-    out = {}
-    for b in cfg["batches"]:
+    print("READY", flush=True)
+    for line in sys.stdin:  # one batch size per line; the step time comes back
+        b = int(line)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cfg["prompts"][:b]]
         def run(n):
             t0 = time.perf_counter()
             llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0),
                          use_tqdm=False)
             return time.perf_counter() - t0
-        run(1)  # prefill once; later calls hit the prefix cache
+        run(1)  # prefill once (or hit the prefix cache); later calls hit it
         one, many = [], []
         for _ in range(cfg["repeats"]):
             one.append(run(1))
             many.append(run(1 + cfg["steps"]))
         one.sort(); many.sort()
-        out[str(b)] = round(1000 * (many[len(many) // 2] - one[len(one) // 2]) / cfg["steps"], 1)
-    print("RESULT " + json.dumps(out), flush=True)
+        ms = round(1000 * (many[len(many) // 2] - one[len(one) // 2]) / cfg["steps"], 1)
+        print("RESULT " + json.dumps(ms), flush=True)
 
 if __name__ == "__main__":
     main()
 """
 
 
-def vllm_step_ms(
-    m: LoadedModel,
-    batches: Sequence[int],
-    context: int,
-    steps: int,
-    threads: int,
-    python: str | Path,
-    repeats: int = 3,
-    timeout_s: float = 1200.0,
-) -> dict[str, float | None]:
-    """vLLM's decode step time (ms) per B, from its own venv in a subprocess."""
-    python = Path(python).absolute()
-    if not python.exists():
-        raise CachecraftError(f"no peer venv at {python}: run `make peer-vllm` first")
-    prompts = [_prompt_ids(m, context, 1000 * max(batches) + i) for i in range(max(batches))]
-    cfg = {
-        "model_dir": str(
-            resolve_model_dir(None) if m.name == "SmolLM2-135M-Instruct" else m.source
-        ),
-        "batches": list(batches),
-        "context": context,
-        "steps": steps,
-        "repeats": repeats,
-        "prompts": prompts,
-    }
-    with tempfile.TemporaryDirectory(prefix="cachecraft-vllm-decode-") as tmp:
-        script = Path(tmp) / "vllm_decode.py"
+class VllmDecode:
+    """vLLM in a subprocess from its own venv, loaded once, timing decode steps on request
+    (one batch size per line on its stdin, one RESULT line back)."""
+
+    def __init__(
+        self,
+        m: LoadedModel,
+        batches: Sequence[int],
+        context: int,
+        steps: int,
+        threads: int,
+        python: str | Path,
+        repeats: int = 3,
+        timeout_s: float = 1200.0,
+    ) -> None:
+        python = Path(python).absolute()
+        if not python.exists():
+            raise CachecraftError(f"no peer venv at {python}: run `make peer-vllm` first")
+        self.timeout_s = timeout_s
+        prompts = [_prompt_ids(m, context, 1000 * max(batches) + i) for i in range(max(batches))]
+        cfg = {
+            "model_dir": str(
+                resolve_model_dir(None) if m.name == "SmolLM2-135M-Instruct" else m.source
+            ),
+            "batches": list(batches),
+            "context": context,
+            "steps": steps,
+            "repeats": repeats,
+            "prompts": prompts,
+        }
+        self._tmp = tempfile.TemporaryDirectory(prefix="cachecraft-vllm-decode-")
+        tmp = Path(self._tmp.name)
+        script = tmp / "vllm_decode.py"
         script.write_text(_VLLM_SCRIPT)
-        env = vllm_env(threads, 2, Path(tmp) / "cache")
-        done = subprocess.run(
+        self._tail: deque[str] = deque(maxlen=20)  # its last output lines, for errors
+        self.proc = subprocess.Popen(
             [str(python), str(script), json.dumps(cfg)],
-            capture_output=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            env=env,
+            env=vllm_env(threads, 2, tmp / "cache"),
             cwd=tmp,
-            timeout=timeout_s,
             start_new_session=True,
         )
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
-    raise CachecraftError(f"vLLM decode run failed (exit {done.returncode}):\n{tail}")
+        try:
+            self._read_until("READY")
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_until(self, tag: str) -> str:
+        """The rest of the next output line starting with `tag` (killed past the timeout)."""
+        assert self.proc.stdout is not None
+        timer = threading.Timer(self.timeout_s, self.proc.kill)
+        timer.start()
+        try:
+            for line in self.proc.stdout:
+                if line.startswith(tag):
+                    return line[len(tag) :].strip()
+                self._tail.append(line.rstrip())
+        finally:
+            timer.cancel()
+        code = self.proc.wait()
+        tail = "\n".join(self._tail)
+        raise CachecraftError(f"vLLM decode run failed (exit {code}):\n{tail}")
+
+    def measure(self, b: int) -> float | None:
+        """vLLM's decode step time (ms) at `b` sequences."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{b}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read_until("RESULT "))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # its loop ends
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._tmp.cleanup()
 
 
 def run_decode_bench(
@@ -175,21 +233,43 @@ def run_decode_bench(
     threads: int = 1,
     peer: str | None = None,
     peer_python: str | Path = ".peer-venv/bin/python",
+    rounds: int = DEFAULT_ROUNDS,
 ) -> dict[str, Any]:
-    """Both sides with `threads` threads; vLLM runs after ours (never at the same time)."""
+    """Both sides with `threads` threads, taking turns B by B, `rounds` times (see the
+    module doc); step_ms holds each side's median over the rounds."""
     if not batches or any(b < 1 for b in batches):
         raise CachecraftError(f"batch sizes must be >= 1, got {list(batches)}")
     if context < 8 or steps < 2:
         raise CachecraftError("--context must be >= 8 and --steps >= 2")
+    if rounds < 1:
+        raise CachecraftError(f"--rounds must be >= 1, got {rounds}")
+    if peer not in (None, "vllm"):
+        raise CachecraftError(f"unknown peer {peer!r}; choose vllm")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    try:
-        step_ms: dict[str, dict[str, float | None]] = {
-            "ours": ours_step_ms(m, batches, context, steps)
-        }
-    finally:
-        torch.set_num_threads(before)
+    sides = ["ours"] + ([] if peer is None else ["vllm"])
+    per_round: dict[str, dict[str, list[float | None]]] = {
+        side: {str(b): [] for b in batches} for side in sides
+    }
+    with contextlib.ExitStack() as stack:
+        try:
+            ours = OursDecode(m, max(batches), context, steps)
+        finally:
+            torch.set_num_threads(before)  # the engine's step thread took its count
+        stack.callback(ours.close)
+        measures = {"ours": ours.measure}
+        if peer == "vllm":
+            vllm = VllmDecode(m, batches, context, steps, threads, peer_python)
+            stack.callback(vllm.close)
+            measures["vllm"] = vllm.measure
+        for b in batches:
+            for r in range(rounds):
+                for side in sides:
+                    ms = measures[side](b)
+                    per_round[side][str(b)].append(ms)
+                    logger.info("%s B=%d round %d: %s ms", side, b, r + 1, ms)
+    step_ms = {side: {b: _median(v) for b, v in per_b.items()} for side, per_b in per_round.items()}
     result: dict[str, Any] = {
         "config": {
             "model": m.name,
@@ -197,20 +277,22 @@ def run_decode_bench(
             "context": context,
             "steps": steps,
             "threads": threads,
+            "rounds": rounds,
             "peer": peer,
         },
         "step_ms": step_ms,
+        "rounds_ms": per_round,
     }
     if peer == "vllm":
-        step_ms["vllm"] = vllm_step_ms(m, batches, context, steps, threads, peer_python)
         result["step_ratio_vs_vllm"] = {
-            b: (round(ours / theirs, 3) if ours and theirs else None)
-            for b, ours, theirs in (
-                (k, step_ms["ours"].get(k), step_ms["vllm"].get(k)) for k in step_ms["ours"]
+            b: _median(
+                [
+                    round(o / v, 3) if o and v else None
+                    for o, v in zip(per_round["ours"][b], per_round["vllm"][b], strict=True)
+                ]
             )
+            for b in per_round["ours"]
         }
-    elif peer is not None:
-        raise CachecraftError(f"unknown peer {peer!r}; choose vllm")
     result["tokens_per_s"] = {
         side: {b: (round(1000 * int(b) / ms, 1) if ms else None) for b, ms in per_b.items()}
         for side, per_b in step_ms.items()
@@ -219,12 +301,23 @@ def run_decode_bench(
     return result
 
 
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
 def add_bench_decode_parser(subparsers: Any) -> Any:
     parser = subparsers.add_parser("decode", help="decode step time at batch sizes B (vs vLLM)")
     parser.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)))
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per B")
     parser.add_argument("--threads", type=int, default=1, help="threads for each side")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        help="turns each side takes per B (medians reported)",
+    )
     parser.add_argument("--peer", choices=("vllm",), default=None)
     parser.add_argument("--peer-python", default=".peer-venv/bin/python")
     parser.add_argument("--model", default=None)
@@ -248,11 +341,15 @@ def main_decode_bench(args: Any) -> int:
         args.threads,
         args.peer,
         args.peer_python,
+        args.rounds,
     )
     if args.json:
         print(json.dumps(result, indent=2))  # CLI output
         return 0
-    print(f"decode step, {args.context}-token context, {args.threads} thread(s), ms (tokens/s)")
+    print(
+        f"decode step, {args.context}-token context, {args.threads} thread(s), "
+        f"median of {args.rounds} round(s), ms (tokens/s)"
+    )
     for b in result["step_ms"]["ours"]:
         row = [f"B={b:>3}"]
         for side, per_b in result["step_ms"].items():
