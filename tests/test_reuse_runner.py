@@ -374,3 +374,28 @@ def test_mixed_modes_on_one_store_never_serve_approximate_kv_as_exact(llm: LLM) 
     assert [c.is_hit for c in again.report.chunks] == [True, True]
     assert again.report.chunks[1].variant_id == exact[0].variant_id
     assert (again.first_token_logits - full.first_token_logits).abs().max() < 1e-4
+
+
+def test_filling_every_layer_at_once_equals_filling_layer_by_layer(tiny) -> None:
+    from cachecraft.engine.layer_loader import LayerLoader
+    from cachecraft.model.kv import KVCache
+    from cachecraft.store.layers import TensorLayerReader
+
+    g = torch.Generator().manual_seed(0)
+    arch, rope = tiny.arch, tiny.model.rope
+    shape = (arch.num_layers, arch.num_kv_heads, 7, arch.head_dim)
+    chunks = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in "ab"]
+    caches = [KVCache(arch, 30, torch.float32, "cpu") for _ in "ab"]
+    loaders = [LayerLoader(kv, rope) for kv in caches]
+    for loader in loaders:
+        for (k, v), start in zip(chunks, (3, 20), strict=True):
+            loader.add(TensorLayerReader(k, v), start, start + 7)
+    loaders[0].fill_all()
+    for layer in range(arch.num_layers):
+        loaders[1].fill_layer(layer)
+    assert torch.allclose(caches[0].k, caches[1].k, atol=1e-6)
+    assert torch.equal(caches[0].v, caches[1].v)
+    # keys rotated to where each chunk now sits, values as stored
+    want = rope.rotate(chunks[1][0], torch.arange(20, 27))
+    assert torch.allclose(caches[0].k[:, :, 20:27], want, atol=1e-6)
+    assert torch.equal(caches[0].v[:, :, 3:10], chunks[0][1])

@@ -39,8 +39,16 @@ class LayerLoader:
             self.kv.v[layer, :, start:end] = v.to(device, dtype)
 
     def fill_all(self) -> None:
-        for layer in range(self.kv.k.shape[0]):
-            self.fill_layer(layer)
+        """Every layer now (a probe reads them all before the prefill): per chunk, its layers
+        stacked and rotated in one pass rather than one small rotation per layer (a request's
+        reused chunks x layers: thousands of tiny ops per burst)."""
+        dtype, device = self.kv.k.dtype, self.kv.k.device
+        num_layers = self.kv.k.shape[0]
+        for reader, start, end, cos, sin in self._spans:
+            layers = [reader.layer(layer) for layer in range(num_layers)]
+            keys = torch.stack([k for k, _ in layers]).to(device, dtype)
+            self.kv.k[:, :, start:end] = Rope.apply(keys, cos, sin)
+            self.kv.v[:, :, start:end] = torch.stack([v for _, v in layers]).to(device, dtype)
 
     def close(self) -> None:
         for reader, *_ in self._spans:
