@@ -5,6 +5,7 @@ other requests of the batch go on. Real model forwards (tiny random Llama), a re
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,51 @@ def test_corrupt_chunk_in_a_batched_step_fails_nobody(tiny: LoadedModel, tmp_pat
     finally:
         engine.stop()
         store.close()
+
+
+class FailsBatchedProbes:
+    """The real model, except that a forward of several probe passes at once raises (what
+    one bad request in the step's shared probe pass would do to the others)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.num_failed = 0
+
+    def forward_step(self, works: list[Any]) -> Any:
+        if len(works) > 1 and all(w.meter is not None for w in works):
+            self.num_failed += 1
+            raise RuntimeError("a probe of this pass failed")
+        return self.inner.forward_step(works)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_failed_shared_probe_pass_runs_each_probe_alone(tiny: LoadedModel) -> None:
+    model = FailsBatchedProbes(tiny.model)
+    loaded = dataclasses.replace(tiny, model=model)
+    engine = Engine(
+        Runner(loaded, MemoryStore(1 << 30, storage_dtype="float32")),
+        EngineConfig(mode="cachecraft"),
+    ).start()
+    try:
+        rag = RagRequest("Which planet has rings?", [Chunk(d) for d in DOCS])
+        assert isinstance(run(engine.submit(rag, GREEDY)), Finished)  # stores both chunks
+        swapped = [  # reused out of place: both probe the question first
+            RagRequest(q, [Chunk(d) for d in reversed(DOCS)])
+            for q in ("Which planet is largest?", "Which planet has rings?")
+        ]
+
+        def submit_both() -> tuple[RequestHandle, RequestHandle]:  # one loop turn: one step
+            return engine.submit(swapped[0], GREEDY), engine.submit(swapped[1], GREEDY)
+
+        handles = engine.call(submit_both).result(60)
+        events = [run(h) for h in handles]
+        assert model.num_failed == 1  # the shared pass failed once, each probe then ran alone
+        for event in events:
+            assert isinstance(event, Finished), event
+            assert event.report is not None and event.report.probe_tokens > 0
+            assert all(c.is_hit for c in event.report.chunks)
+        assert engine.is_alive and engine.num_failed == 0
+    finally:
+        engine.stop()

@@ -353,6 +353,29 @@ def test_probe_leaves_out_chunks_without_kv(llm: LLM) -> None:
     assert torch.allclose(got, want, atol=1e-6)
 
 
+def test_probes_run_together_measure_what_each_measures_alone(llm: LLM) -> None:
+    from cachecraft.engine.probe import probe_work
+
+    _run(llm, _req([0, 1, 2]), "naive")
+    requests = [_req([2, 1, 0]), _req([3, 1, 0], "Which one is oldest?")]  # in place; scratch
+    alone, together = [], []
+    for request in requests:
+        plan, kv = _spliced(llm, request)
+        probe = probe_work(llm.loaded.model, kv, plan)
+        alone.append(probe.scores(llm.loaded.model.forward_step([probe.work])[0]))
+    probes = []
+    for request in requests:
+        plan, kv = _spliced(llm, request)
+        probes.append(probe_work(llm.loaded.model, kv, plan))
+    results = llm.loaded.model.forward_step([p.work for p in probes])
+    together = [p.scores(r) for p, r in zip(probes, results, strict=True)]
+    for a, t in zip(alone, together, strict=True):
+        assert [x is None for x in a] == [x is None for x in t]
+        for x, y in zip(a, t, strict=True):
+            if x is not None:
+                assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-6)
+
+
 def test_mixed_modes_on_one_store_never_serve_approximate_kv_as_exact(llm: LLM) -> None:
     store = llm.runner.store
     _run(llm, _req([0, 1, 2]), "prefix")  # exact variants 0@(), 1@(0), 2@(0, 1)

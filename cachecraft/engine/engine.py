@@ -353,14 +353,7 @@ class Engine:
     def _start(self, live: _Live) -> None:
         """`_splice`, its probe alone (if any) and the job."""
         spliced = self._splice(live)
-        result = None
-        if spliced.probe is not None:
-            try:
-                result = self.runner.loaded.model.forward_step([spliced.probe.work])[0]
-            except Exception:
-                spliced.loader.close()
-                raise
-        live.job = self.runner.build(spliced, result)
+        live.job = self.runner.build(spliced, self.runner.run_probe(spliced))
 
     @staticmethod
     def _is_starting(live: _Live) -> bool:
@@ -379,21 +372,19 @@ class Engine:
             except Exception as e:
                 self._fail(live.handle.request_id, e)
         probes = [(live, s) for live, s in spliced if s.probe is not None]
-        results: dict[str, SeqResult] = {}
+        results: dict[str, SeqResult | None] = {}
         if probes:
-            model = self.runner.loaded.model
             try:
                 works = [s.probe.work for _, s in probes if s.probe is not None]
-                for (live, _), result in zip(probes, model.forward_step(works), strict=True):
+                outs = self.runner.loaded.model.forward_step(works)
+                for (live, _), result in zip(probes, outs, strict=True):
                     results[live.handle.request_id] = result
             except Exception:
                 log.exception("the probe pass over %d requests failed; isolating", len(probes))
                 for live, s in probes:
-                    assert s.probe is not None
                     try:
-                        results[live.handle.request_id] = model.forward_step([s.probe.work])[0]
+                        results[live.handle.request_id] = self.runner.run_probe(s)
                     except Exception as e:
-                        s.loader.close()
                         self._fail(live.handle.request_id, e)
         for live, s in spliced:
             rid = live.handle.request_id

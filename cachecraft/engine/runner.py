@@ -145,14 +145,18 @@ class Runner:
     ) -> PrefillJob:
         """`splice`, the probe alone (if the plan has one), `build`."""
         spliced = self.splice(plan, extra_capacity, t_start, kv=kv)
-        result = None
-        if spliced.probe is not None:
-            try:
-                result = self.loaded.model.forward_step([spliced.probe.work])[0]
-            except Exception:
-                spliced.loader.close()
-                raise
-        return self.build(spliced, result, precompute)
+        return self.build(spliced, self.run_probe(spliced), precompute)
+
+    def run_probe(self, spliced: Spliced) -> SeqResult | None:
+        """The spliced request's probe, alone (None: it has none). If it fails, the
+        request's layer readers are closed."""
+        if spliced.probe is None:
+            return None
+        try:
+            return self.loaded.model.forward_step([spliced.probe.work])[0]
+        except Exception:
+            spliced.loader.close()
+            raise
 
     def splice(
         self,
