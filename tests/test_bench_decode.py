@@ -48,9 +48,13 @@ def test_decode_bench_takes_turns_with_the_peer_and_pairs_the_rounds(
         f"    open({str(log)!r}, 'a').write(line)\n"
         "    print('RESULT', 1000.0 * int(line), flush=True)",
     )
+    news: list[str] = []
     result = run_decode_bench(
-        tiny, batches=(1, 2), context=16, steps=2, peer="vllm", peer_python=fake, rounds=2
-    )
+        tiny, batches=(1, 2), context=16, steps=2, peer="vllm", peer_python=fake, rounds=2,
+        progress=news.append,
+    )  # fmt: skip
+    assert news[0].startswith("starting vLLM") and len(news) == 1 + 2 * 2 * 2
+    assert news[-1] == "vllm B=2 round 2/2: 2000.0 ms"
     assert log.read_text().split() == ["1", "1", "2", "2"]  # B by B, a turn per round
     rounds = result["rounds_ms"]
     assert rounds["vllm"] == {"1": [1000.0, 1000.0], "2": [2000.0, 2000.0]}

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,6 @@ from cachecraft.api import (
 from cachecraft.bench.peer_vllm import vllm_env
 from cachecraft.errors import CachecraftError
 from cachecraft.request import RagRequest
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_BATCHES = (1, 4, 16, 32)
 DEFAULT_ROUNDS = 2
@@ -234,9 +232,11 @@ def run_decode_bench(
     peer: str | None = None,
     peer_python: str | Path = ".peer-venv/bin/python",
     rounds: int = DEFAULT_ROUNDS,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Both sides with `threads` threads, taking turns B by B, `rounds` times (see the
-    module doc); step_ms holds each side's median over the rounds."""
+    module doc); step_ms holds each side's median over the rounds. `progress(line)`: one
+    line of news per measurement (the CLI prints it)."""
     if not batches or any(b < 1 for b in batches):
         raise CachecraftError(f"batch sizes must be >= 1, got {list(batches)}")
     if context < 8 or steps < 2:
@@ -260,6 +260,8 @@ def run_decode_bench(
         stack.callback(ours.close)
         measures = {"ours": ours.measure}
         if peer == "vllm":
+            if progress is not None:
+                progress("starting vLLM (about a minute)")
             vllm = VllmDecode(m, batches, context, steps, threads, peer_python)
             stack.callback(vllm.close)
             measures["vllm"] = vllm.measure
@@ -268,7 +270,8 @@ def run_decode_bench(
                 for side in sides:
                     ms = measures[side](b)
                     per_round[side][str(b)].append(ms)
-                    logger.info("%s B=%d round %d: %s ms", side, b, r + 1, ms)
+                    if progress is not None:
+                        progress(f"{side} B={b} round {r + 1}/{rounds}: {ms} ms")
     step_ms = {side: {b: _median(v) for b, v in per_b.items()} for side, per_b in per_round.items()}
     result: dict[str, Any] = {
         "config": {
@@ -342,6 +345,7 @@ def main_decode_bench(args: Any) -> int:
         args.peer,
         args.peer_python,
         args.rounds,
+        lambda line: print(f"[bench decode] {line}", file=sys.stderr, flush=True),
     )
     if args.json:
         print(json.dumps(result, indent=2))  # CLI output
