@@ -245,6 +245,8 @@ def run_decode_bench(
         raise CachecraftError(f"--rounds must be >= 1, got {rounds}")
     if peer not in (None, "vllm"):
         raise CachecraftError(f"unknown peer {peer!r}; choose vllm")
+    if peer == "vllm" and not Path(peer_python).exists():  # before loading anything
+        raise CachecraftError(f"no peer venv at {peer_python}: run `make peer-vllm` first")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
