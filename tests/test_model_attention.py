@@ -32,6 +32,17 @@ def _brute(q, k, v, q_pos, window):
     return probs @ v, probs
 
 
+def _operands(q_pos: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random q [6, n, 16] and k, v [2, q_pos[-1] + 1, 16] (GQA, scores large enough to be
+    peaked)."""
+    g = torch.Generator().manual_seed(seed)
+    num_heads, num_kv, d, ctx = 6, 2, 16, int(q_pos[-1]) + 1
+    q = 3 * torch.randn(num_heads, len(q_pos), d, generator=g)
+    k = 3 * torch.randn(num_kv, ctx, d, generator=g)
+    v = torch.randn(num_kv, ctx, d, generator=g)
+    return q, k, v
+
+
 CASES = {
     "full-causal": (torch.arange(40), None),
     "partial-fold": (torch.tensor([3, 7, 8, 20, 39]), None),
@@ -50,11 +61,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fused_stats_equal_explicit_and_output_equals_plain(case: str) -> None:
     q_pos, window = CASES[case]
-    g = torch.Generator().manual_seed(0)
-    num_heads, num_kv, d, ctx = 6, 2, 16, int(q_pos[-1]) + 1
-    q = 3 * torch.randn(num_heads, len(q_pos), d, generator=g)
-    k = 3 * torch.randn(num_kv, ctx, d, generator=g)
-    v = torch.randn(num_kv, ctx, d, generator=g)
+    q, k, v = _operands(q_pos, seed=0)
+    ctx = k.shape[1]
     bounds = torch.tensor([(0, 5), (5, 17), (17, 30), (30, ctx)])
     assert case != "row-blocks" or len(q_pos) > ROW_BLOCK
     plain, none = causal_attention(q, k, v, q_pos, window)
@@ -96,11 +104,8 @@ def test_rows_after_a_cached_prefix_equal_the_full_prefill_rows() -> None:
 @pytest.mark.parametrize("case", ["partial-fold", "suffix-long-prefix", "window", "decode"])
 def test_key_meter_output_equals_plain_and_mass_equals_brute_force(case: str) -> None:
     q_pos, window = CASES[case]
-    g = torch.Generator().manual_seed(1)
-    num_heads, num_kv, d, ctx = 6, 2, 16, int(q_pos[-1]) + 1
-    q = 3 * torch.randn(num_heads, len(q_pos), d, generator=g)
-    k = 3 * torch.randn(num_kv, ctx, d, generator=g)
-    v = torch.randn(num_kv, ctx, d, generator=g)
+    q, k, v = _operands(q_pos, seed=1)
+    ctx = k.shape[1]
     rows = q_pos >= q_pos[len(q_pos) // 2]  # the meter counts the later half of the rows
     out, mass = attention_key_mass(q, k, v, q_pos, window, rows)
     plain, _ = causal_attention(q, k, v, q_pos, window)
