@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -27,8 +28,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from cachecraft.api import (
     EngineConfig,
@@ -42,7 +41,8 @@ from cachecraft.api import (
     memory_config,
     resolve_model_dir,
 )
-from cachecraft.bench.peer_vllm import vllm_env
+from cachecraft.bench.peer_vllm import signal_group, vllm_env
+from cachecraft.env import torch_threads
 from cachecraft.errors import CachecraftError
 from cachecraft.request import RagRequest
 
@@ -188,7 +188,7 @@ class VllmDecode:
     def _read_until(self, tag: str) -> str:
         """The rest of the next output line starting with `tag` (killed past the timeout)."""
         assert self.proc.stdout is not None
-        timer = threading.Timer(self.timeout_s, self.proc.kill)
+        timer = threading.Timer(self.timeout_s, signal_group, (self.proc.pid, signal.SIGKILL))
         timer.start()
         try:
             for line in self.proc.stdout:
@@ -213,11 +213,11 @@ class VllmDecode:
             with contextlib.suppress(OSError):
                 assert self.proc.stdin is not None
                 self.proc.stdin.close()  # its loop ends
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        # its own session: the engine core and workers it started go with it
+        signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._tmp.cleanup()
@@ -247,18 +247,14 @@ def run_decode_bench(
         raise CachecraftError(f"unknown peer {peer!r}; choose vllm")
     if peer == "vllm" and not Path(peer_python).exists():  # before loading anything
         raise CachecraftError(f"no peer venv at {peer_python}: run `make peer-vllm` first")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     t0 = time.perf_counter()
     sides = ["ours"] + ([] if peer is None else ["vllm"])
     per_round: dict[str, dict[str, list[float | None]]] = {
         side: {str(b): [] for b in batches} for side in sides
     }
     with contextlib.ExitStack() as stack:
-        try:
+        with torch_threads(threads):  # the engine's step thread takes this count
             ours = OursDecode(m, max(batches), context, steps)
-        finally:
-            torch.set_num_threads(before)  # the engine's step thread took its count
         stack.callback(ours.close)
         measures = {"ours": ours.measure}
         if peer == "vllm":

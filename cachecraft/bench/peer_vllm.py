@@ -42,7 +42,7 @@ class PeerError(CachecraftError):
     """The peer server is not installed, did not start, or answered nonsense."""
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
+def signal_group(pgid: int, sig: signal.Signals) -> None:
     """Signal the process group `pgid` (a session leader's pid); gone already is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
@@ -218,14 +218,14 @@ class VllmServer:
         KeyboardInterrupt so `with VllmServer(...)` blocks unwind."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_group(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 logger.warning("vLLM did not stop in %.0f s; killing it", grace_s)
             # Children left in the group (vLLM's API server may exit before its workers do)
             # are killed whether or not the leader stopped in time.
-            _signal_group(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
         if self._tmp is not None:
