@@ -510,8 +510,8 @@ class Engine:
         self._emit(live, token)
 
     def _commit_guarded(self, outcome: PrefillOutcome) -> None:
-        try:
-            self.runner.commit(outcome)
+        try:  # the next step need not wait for file writes: they finish on the store's writer
+            self.runner.commit(outcome, wait=False)
         except Exception:  # the answer went out; only the cache entry is lost
             log.exception("committing variants failed")
 

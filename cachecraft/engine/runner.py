@@ -382,16 +382,17 @@ class Runner:
             is_exact=cp.is_exact,
         )
 
-    def commit(self, outcome: PrefillOutcome) -> None:
-        """Tell the store what was reused and missed, and offer the new variants."""
+    def commit(self, outcome: PrefillOutcome, wait: bool = True) -> None:
+        """Tell the store what was reused and missed, and offer the new variants (wait=False:
+        their disk and Redis writes may finish on the store's writer thread)."""
         variants = self.variants(outcome)
         for variant_id, cfo in outcome.hits:
             self.store.record_hit(variant_id, cfo)
         for key in outcome.misses:
             self.store.record_miss(key)
         for variant in variants:
-            offered = self.store.offer(variant)
-            if not offered.stored:
+            offered = self.store.offer(variant, wait=wait)
+            if not (offered.stored or offered.queued):
                 log.debug("variant %s not stored: %s", offered.variant_id, offered.reason)
 
     def prefill(

@@ -63,6 +63,11 @@ class _LiveCollector:
         for reason, n in st.rejected.items():
             rejected.add_metric([reason], n)
         yield rejected
+        yield GaugeMetricFamily(
+            "cachecraft_store_pending_writes",
+            "Variants whose disk and Redis writes wait on the store's writer thread",
+            value=st.pending_writes,
+        )
 
 
 class ServerMetrics:

@@ -34,16 +34,22 @@ class OfferResult:
     `StoreStats.rejected` counter it was counted under.
     write_error: a tier's write failed (`"OSError: ..."`), whether or not another tier took
     the variant; None when no write failed.
+    queued: `offer(..., wait=False)` left the slow tiers' writes (disk, Redis) to a
+    background writer; `stored` then says whether memory holds it, `reason` is None, and
+    the writes' outcome is counted in `StoreStats` when they end.
     """
 
     variant_id: str
     stored: bool
     reason: RefusalReason | None = None
     write_error: str | None = None
+    queued: bool = False
 
     def __post_init__(self) -> None:
-        if self.stored == (self.reason is not None):
-            raise ValueError("an offer is stored with no reason, or refused with one")
+        if self.stored and self.reason is not None:
+            raise ValueError("an offer is stored with a reason for refusing it")
+        if not (self.stored or self.queued or self.reason is not None):
+            raise ValueError("an offer is refused with no reason")
 
     def __bool__(self) -> bool:
         raise TypeError("read OfferResult.stored (a result is not a truth value)")
@@ -76,11 +82,15 @@ class ChunkStore(Protocol):
         unreachable). Never raises for a missing variant."""
         ...
 
-    def offer(self, variant: Variant) -> OfferResult:
+    def offer(self, variant: Variant, wait: bool = True) -> OfferResult:
         """Offer a freshly computed variant; admission (doorkeeper, per-chunk cap, policy,
         space) decides. Never raises for a refusal or a failed write: the result says whether
         any tier stored it, why not (`OfferResult.reason`) and which write failed. Offering
-        a variant that is stored already refreshes it (its hit history is kept)."""
+        a variant that is stored already refreshes it (its hit history is kept).
+
+        wait=False: admission and the memory tier act now; the disk and Redis writes may be
+        left to a background writer (`OfferResult.queued`), so that a caller on a serving
+        path does not wait for file writes and fsyncs."""
         ...
 
     def would_admit(self, chunk_key: str) -> bool:

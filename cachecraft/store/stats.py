@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class StoreStats:
     hits: Counter[str] = field(default_factory=Counter)
-    """Loads served, per tier that served them (memory, host, disk, redis)."""
+    """Loads served, per tier that served them (memory, host, disk, redis; pending: a variant
+    waiting for the writer thread)."""
     misses: int = 0
     """Chunk lookups that found no variant (record_miss)."""
     tier_misses: Counter[str] = field(default_factory=Counter)
@@ -38,6 +39,8 @@ class StoreStats:
     disk_write_errors: int = 0
     """Disk writes that failed (full, unwritable); the variant stayed in the tiers above."""
     last_disk_write_error: str | None = None
+    pending_writes: int = 0
+    """Variants whose disk / Redis writes wait on the writer thread now (write-behind)."""
 
     def as_dict(self) -> dict[str, object]:
         out = dataclasses.asdict(self)

@@ -1,13 +1,15 @@
 """TieredStore: the ChunkStore over memory -> host -> disk -> Redis tiers, and `make_store`.
 
 Owns the lookup cascade (promotion on hit), admission (doorkeeper, per-chunk cap, policy),
-eviction with demotion, write-through to disk and Redis, pinning and prefetch. Tensors are
+eviction with demotion, write-through to disk and Redis (or write-behind, on a writer
+thread, for offers that do not wait), pinning and prefetch. Tensors are
 moved, never computed here; ranking arithmetic lives in `policy`, shared counts in `tally`,
 file and wire formats in `disk`/`codec`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -34,10 +36,27 @@ from cachecraft.store.variant import Variant
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """A variant whose slow-tier writes wait on the writer thread. `cancelled`: it was
+    removed meanwhile, so it is not written, or what was written goes again."""
+
+    variant: Variant
+    cancelled: bool = False
+
+
 class TieredStore:
     """ChunkStore across tiers. Every admitted variant is written to memory (if the policy lets
     it displace residents), to disk and to Redis (write-through); a variant evicted from memory
-    is demoted to the host tier or, if absent there, to disk. Thread-safe."""
+    is demoted to the host tier or, if absent there, to disk. Thread-safe.
+
+    `offer(variant, wait=False)` (the engine's, after a request's first token) places the
+    variant in memory at once and leaves its disk and Redis writes to one writer thread, at
+    most `MAX_PENDING` at a time (beyond that the offer writes them itself); `flush` waits for
+    them and `close` finishes them. A variant removed while its write waits is not written."""
+
+    MAX_PENDING = 32
+    """Slow-tier writes that may wait on the writer thread; more are written by the caller."""
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
@@ -77,6 +96,8 @@ class TieredStore:
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-prefetch")
         self._inflight: dict[str, Future[float]] = {}
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer")
+        self._pending: dict[str, _Pending] = {}  # id -> slow-tier writes queued or running
         self._prefetched: dict[str, float] = {}  # id -> background load seconds, not yet used
         # Slow reads run without the lock; a removal meanwhile must not be undone by placing
         # what they read: id -> reads in flight, and the ids removed during one.
@@ -111,6 +132,8 @@ class TieredStore:
             for tier in self.ram:
                 for meta in tier.metas(chunk_key):
                     found.setdefault(meta.variant_id, meta)
+            for vid, waiting in self._waiting(chunk_key).items():
+                found.setdefault(vid, waiting.meta)
         for slow in (self.disk, self.redis):
             if slow is not None:
                 for meta in slow.metas(chunk_key):
@@ -137,6 +160,9 @@ class TieredStore:
                     if tier is not self.ram[0]:
                         self._place(variant)
                     return self.ram[0].get(variant_id) or variant
+            variant = self._held_for_writing(variant_id)
+            if variant is not None:
+                return variant
         variant, tier_name = self._fetch_slow(variant_id)
         with self._lock:
             if self._removed_during_read(variant_id):
@@ -151,6 +177,26 @@ class TieredStore:
             self._touch(variant_id)
             return self.ram[0].get(variant_id) or variant
 
+    def _waiting(self, chunk_key: str) -> dict[str, Variant]:
+        """The chunk's variants that wait for the writer thread and were not removed. Caller
+        holds the lock."""
+        return {
+            vid: p.variant
+            for vid, p in self._pending.items()
+            if p.variant.chunk_key == chunk_key and not p.cancelled
+        }
+
+    def _held_for_writing(self, variant_id: str) -> Variant | None:
+        """The variant if it waits for the writer thread (memory did not keep it, or let it
+        go before its file exists): served from there, counted as a "pending" hit. Caller
+        holds the lock."""
+        pending = self._pending.get(variant_id)
+        if pending is None or pending.cancelled:
+            return None
+        self._touch(variant_id)
+        self._stats.hits["pending"] += 1
+        return pending.variant
+
     def _touch(self, variant_id: str) -> None:
         """Mark a use (LRU order). Caller holds the lock."""
         st = self._stats_by_id.get(variant_id)
@@ -158,8 +204,10 @@ class TieredStore:
             self._use += 1
             st.last_use = self._use
 
-    def offer(self, variant: Variant) -> OfferResult:
+    def offer(self, variant: Variant, wait: bool = True) -> OfferResult:
         chunk, vid = variant.chunk_key, variant.variant_id
+        if wait and vid in self._pending:  # its queued write first, then this one's result
+            self.flush()
         with self._lock:
             self.doorkeeper.sight_offer(chunk)
             if not (self.doorkeeper.admits(chunk) or self._has_room()):
@@ -176,13 +224,33 @@ class TieredStore:
                 self._stats.rejected["chunk_cap"] += 1
                 return OfferResult(vid, False, "chunk_cap")
             self._stats_by_id[vid] = st
-            stored = self._place(variant)
-        write_error = None
+            in_memory = self._place(variant)
+            pending = self._pending.get(vid)
+            if pending is not None:  # offered again while its write waits: that write does
+                pending.cancelled = False
+            elif not wait and self._has_slow_tier() and len(self._pending) < self.MAX_PENDING:
+                pending = self._pending[vid] = _Pending(variant)
+                self._writer.submit(self._write_behind, pending, st, in_memory)
+            if pending is not None:
+                return OfferResult(vid, in_memory, None, queued=True)
+        stored, write_error = self._write_slow(variant, st)
+        return self._settle(variant, in_memory or stored, write_error)
+
+    def _has_slow_tier(self) -> bool:
+        return self.disk is not None or self.redis is not None
+
+    def _write_slow(self, variant: Variant, st: VariantStats) -> tuple[bool, str | None]:
+        """Write through to disk and Redis: (a slow tier stored it, the disk's write error)."""
+        stored, write_error = False, None
         if self.disk is not None:
-            on_disk, write_error = self._disk_write(variant, st)
-            stored = on_disk or stored
+            stored, write_error = self._disk_write(variant, st)
         if self.redis is not None:
             stored = self.redis.put(variant, st, _in_order) is not None or stored
+        return stored, write_error
+
+    def _settle(self, variant: Variant, stored: bool, write_error: str | None) -> OfferResult:
+        """Count an offer's outcome; forget the statistics of one stored nowhere."""
+        vid = variant.variant_id
         reason: RefusalReason | None = None
         if not stored:
             if write_error is not None:
@@ -196,6 +264,34 @@ class TieredStore:
                 self._stats.rejected[reason] += 1
                 self._stats_by_id.pop(vid, None)
         return OfferResult(vid, stored, reason, write_error)
+
+    def _write_behind(self, pending: _Pending, st: VariantStats, in_memory: bool) -> None:
+        """The writer thread's half of `offer(..., wait=False)`."""
+        variant = pending.variant
+        vid = variant.variant_id
+        stored, write_error = False, None
+        try:
+            if not pending.cancelled:
+                stored, write_error = self._write_slow(variant, st)
+        except Exception as e:  # never lose the writer thread to one variant
+            logger.exception("writing variant %s behind failed", vid)
+            write_error = f"{type(e).__name__}: {e}"
+        with self._lock:
+            self._pending.pop(vid, None)
+            cancelled = pending.cancelled
+        if cancelled:  # removed while queued or written: what the write put down goes too
+            with self._lock:
+                if self.disk is not None:
+                    self.disk.delete(vid)
+                if self.redis is not None:
+                    self.redis.delete(vid)
+            return
+        self._settle(variant, in_memory or stored, write_error)
+
+    def flush(self) -> None:
+        """Wait until every slow-tier write that `offer(..., wait=False)` queued has ended."""
+        with contextlib.suppress(RuntimeError):  # shut down by close(), which finished them
+            self._writer.submit(lambda: None).result()
 
     def record_hit(self, variant_id: str, cfo: float) -> None:
         tick = self.tally.tick()
@@ -290,6 +386,9 @@ class TieredStore:
                     self._touch(variant_id)
                     self._stats.hits[tier.name] += 1
                     return TensorLayerReader(variant.keys, variant.values)
+            variant = self._held_for_writing(variant_id)
+            if variant is not None:
+                return TensorLayerReader(variant.keys, variant.values)
         if self.disk is not None:
             reader = self.disk.open_layers(variant_id, self.config.device)
             if reader is not None:
@@ -349,13 +448,28 @@ class TieredStore:
         self.eviction_log.append((name, variant_id, "capacity"))
         if level + 1 < len(self.ram):
             self._place(variant, level + 1)
-        elif self.disk is not None and variant_id not in self.disk:
+        elif (
+            self.disk is not None
+            and variant_id not in self.disk
+            and not self._will_write(variant_id)
+        ):
             st = self._stats_of(variant_id)
             if st is not None:
                 self._disk_put(variant, st)
         if not self._is_local(variant_id) and self.redis is None:
             self._stats_by_id.pop(variant_id, None)
             self.tally.forget(variant_id)
+
+    def _will_write(self, variant_id: str) -> bool:
+        """The writer thread is to write this variant. Caller holds the lock."""
+        pending = self._pending.get(variant_id)
+        return pending is not None and not pending.cancelled
+
+    def _cancel_write(self, variant_id: str) -> None:
+        """A removed variant's queued write must not bring it back. Caller holds the lock."""
+        pending = self._pending.get(variant_id)
+        if pending is not None:
+            pending.cancelled = True
 
     def _disk_put(self, variant: Variant, st: VariantStats) -> bool:
         return self._disk_write(variant, st)[0]
@@ -392,9 +506,7 @@ class TieredStore:
     def _enforce_chunk_cap(self, st: VariantStats) -> bool:
         """Keep at most max_variants_per_chunk variants per chunk, the most valuable ones.
         False if the candidate itself is the least valuable. Caller holds the lock."""
-        ids = {v for t in self.ram for v in t.chunk_ids(st.chunk_key)}
-        if self.disk is not None:
-            ids |= {m.variant_id for m in self.disk.metas(st.chunk_key)}
+        ids = self._chunk_ids(st.chunk_key)
         ids.discard(st.variant_id)
         cap = self.config.max_variants_per_chunk
         if len(ids) < cap:
@@ -414,17 +526,25 @@ class TieredStore:
         """Remove the least valuable unpinned variants of `st`'s chunk until it fits under
         max_variants_per_chunk (a pinned variant is stored whatever admission said). Caller
         holds the lock."""
-        ids = {v for t in self.ram for v in t.chunk_ids(st.chunk_key)}
-        if self.disk is not None:
-            ids |= {m.variant_id for m in self.disk.metas(st.chunk_key)}
+        ids = self._chunk_ids(st.chunk_key)
         ids.discard(st.variant_id)
         excess = len(ids) + 1 - self.config.max_variants_per_chunk
         pool = [s for s in (self._stats_of(v) for v in ids - self._pinned.keys()) if s]
         for loser in self.policy.order(pool, self._tick)[: max(0, excess)]:
             self._remove_variant(loser.variant_id, "chunk_cap")
 
+    def _chunk_ids(self, chunk_key: str) -> set[str]:
+        """Ids of the chunk's variants in memory, on disk or waiting to be written there.
+        Caller holds the lock."""
+        ids = {v for t in self.ram for v in t.chunk_ids(chunk_key)}
+        ids |= self._waiting(chunk_key).keys()
+        if self.disk is not None:
+            ids |= {m.variant_id for m in self.disk.metas(chunk_key)}
+        return ids
+
     def _remove_variant(self, variant_id: str, reason: str) -> None:
         self.eviction_log.append(("*", variant_id, reason))
+        self._cancel_write(variant_id)
         if variant_id in self._reading:
             self._removed_while_read.add(variant_id)
         for tier in self.ram:
@@ -545,6 +665,7 @@ class TieredStore:
                 snap.evictions["disk:corrupt"] = self.disk.num_corrupt
                 snap.disk_write_errors = self.disk.num_write_errors
                 snap.last_disk_write_error = self.disk.last_write_error
+            snap.pending_writes = len(self._pending)
             if self._pinned:
                 snap.nbytes["pinned"] = sum(v.nbytes for v in self._pinned.values())
                 snap.num_variants["pinned"] = len(self._pinned)
@@ -654,12 +775,13 @@ class TieredStore:
             return len(ids)
 
     def _unpin_and_list_in_memory(self, chunk_key: str) -> set[str]:
-        """Drop the chunk's pins; its variant ids that were pinned or sit in a memory tier.
-        Caller holds the lock."""
+        """Drop the chunk's pins; its variant ids that were pinned, sit in a memory tier or
+        wait for the writer thread. Caller holds the lock."""
         ids = {i for i, v in self._pinned.items() if v.chunk_key == chunk_key}
         for i in ids:
             del self._pinned[i]
             self._pin_namespace.pop(i, None)
+        ids |= self._waiting(chunk_key).keys()
         return ids | {v for t in self.ram for v in t.chunk_ids(chunk_key)}
 
     def forget_in_memory(self, chunk_key: str) -> int:
@@ -668,6 +790,7 @@ class TieredStore:
             for vid in ids:
                 if vid in self._reading:
                     self._removed_while_read.add(vid)
+                self._cancel_write(vid)  # removed by another replica: not to be written back
                 for tier in self.ram:
                     if tier.delete(vid):
                         self._stats.evictions[f"{tier.name}:removed"] += 1
@@ -678,6 +801,8 @@ class TieredStore:
     def clear(self) -> None:
         with self._lock:
             self._removed_while_read |= self._reading.keys()
+            for vid in self._pending:
+                self._cancel_write(vid)
             self._pinned.clear()
             self._pin_namespace.clear()
             for tier in self.ram:
@@ -690,7 +815,9 @@ class TieredStore:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every tier is internally consistent and within capacity,
-        each RAM variant has stats, no variant sits in two RAM tiers and the per-chunk cap holds."""
+        each RAM variant has stats, no variant sits in two RAM tiers and the per-chunk cap holds
+        (after the queued writes ended)."""
+        self.flush()
         with self._lock:
             seen: set[str] = set()
             for tier in self.ram:
@@ -717,6 +844,7 @@ class TieredStore:
     def close(self) -> None:
         if self._closed:
             return
+        self._writer.shutdown(wait=True)  # queued writes end before the tiers close
         self._closed = True
         self._pool.shutdown(wait=True)
         self.tally.close()
