@@ -56,6 +56,13 @@ def cache_home() -> Path:
     return Path(base) / "cachecraft"
 
 
+def child_env(python_path: str) -> dict[str, str]:
+    """This process's environment for a child Python, with `python_path` first on its
+    PYTHONPATH (a child started in another directory then imports the same package)."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": python_path + (os.pathsep + path if path else "")}
+
+
 def set_passive_openmp() -> None:
     """OMP_WAIT_POLICY=PASSIVE with a short spin, unless the user chose otherwise; call before
     importing torch."""

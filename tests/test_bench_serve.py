@@ -85,25 +85,36 @@ def test_ramp_stops_at_the_first_saturated_rate_and_doubles_past_the_ladder() ->
     assert out["1"]["e2e_ms_p50"] > 3.0 * out["0.25"]["e2e_ms_p50"]
 
 
-def test_the_burst_replays_the_same_requests_after_any_ramp() -> None:
-    """Systems whose ramps stop at different runs still burst over one part of the stream."""
+def test_systems_take_turns_rate_by_rate_then_burst_over_the_same_requests() -> None:
+    """Systems whose ramps stop at different runs: each rate runs on every system still
+    ramping before the next rate, each ramp run takes the next part of the stream, and every
+    burst replays one part of the stream after any ramp."""
     runs = [[WorkloadItem(str(i), RagRequest(f"q{i}?", [Chunk("c")]))] for i in range(4)]
     opts = {"max_runs": 3, "latency_bound": 3.0, "burst": True}
-    seen: list[tuple[str, float]] = []
-    for capacity, ramp in ((0.1, ["0"]), (100.0, ["0", "1", "2"])):
-        seen.clear()
+    seen: list[tuple[str, str, float]] = []
 
-        def run_at(items: list[WorkloadItem], rate: float, capacity: float = capacity) -> dict:
-            seen.append((items[0].id, rate))
+    def system(name: str, capacity: float) -> serve_bench.RunAt:
+        def run_at(items: list[WorkloadItem], rate: float) -> dict:
+            seen.append((name, items[0].id, rate))
             e2e = 100.0 if rate <= capacity else 1000.0
             return _summary(e2e) | {"throughput_rps": min(rate, capacity), "offered_rps": rate}
 
-        out = serve_bench._ramp_then_burst(run_at, runs, [0.5], opts)
-        assert [i for i, _ in seen] == [*ramp, "3"] and seen[-1][1] == math.inf
-        assert list(out)[-1] == "burst" and len(out) == len(ramp) + 1
+        return run_at
+
+    systems = {"slow": system("slow", 0.1), "fast": system("fast", 100.0)}
+    out = serve_bench._take_turns(systems, runs, [0.5], opts)
+    assert seen == [
+        ("slow", "0", 0.5),  # saturated at once: its ramp ends here
+        ("fast", "0", 0.5),
+        ("fast", "1", 1.0),
+        ("fast", "2", 2.0),
+        ("slow", "3", math.inf),
+        ("fast", "3", math.inf),
+    ]
+    assert list(out["slow"]) == ["0.5", "burst"] and list(out["fast"]) == ["0.5", "1", "2", "burst"]
     seen.clear()
-    out = serve_bench._ramp_then_burst(run_at, runs, [0.5], opts | {"burst": False})
-    assert "burst" not in out and math.inf not in [r for _, r in seen]
+    out = serve_bench._take_turns(systems, runs, [0.5], opts | {"burst": False})
+    assert all("burst" not in r for r in out.values()) and math.inf not in [r for *_, r in seen]
 
 
 def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:

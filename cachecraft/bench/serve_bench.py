@@ -3,13 +3,20 @@ mode (and vLLM with prefix caching as the peer) at rising rates until each syste
 then once as a burst (every request of a run sent at once, vLLM's `--request-rate inf`):
 maximum throughput, computed prompt tokens/s, and TTFT / e2e latency at the highest rate every
 system sustains. Owns the orchestration and the report; our server is started by the factory
-the caller passes (the CLI passes `cachecraft.server.launch.start_server`).
+the caller passes (the CLI passes `cachecraft.bench.own_server.server_process`: `cachecraft serve`
+in a child process).
 
 Each system serves one request stream, as a deployment does: its head warms the caches
 (unmeasured), then each run of the ramp replays the next `num_requests` requests of the stream
 at its rate. Caches stay warm across the runs (one cache namespace, one vLLM cache salt per
 system), so every run measures steady-state serving, not a cold start; every system sees the
 same stream in the same order.
+
+The systems take turns: all of them are started and warmed up first, then each rate of the
+ramp runs on every system still ramping, one after another, and then each system's burst.
+This machine's speed drifts by 20-30% over minutes; one system ramping after another had
+compared the drift as much as the systems, while turns put every pair of runs compared
+seconds to a minute apart.
 
 Why the burst: a Poisson run past capacity still spends its first seconds waiting for
 arrivals, so requests / makespan is bounded by the offered rate as well as by the system, and
@@ -24,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -112,29 +119,48 @@ def _saturated(summary: Mapping[str, Any], base_e2e: float | None, latency_bound
     return e2e is None or e2e > 2 * latency_bound * base_e2e
 
 
+class Ramp:
+    """One system's rising rates, a run at a time: first the given ladder, then doubling the
+    last rate, until the system saturates (`_saturated`) or `max_runs` ran. `runs` is {rate
+    key: summary}; its last run is the saturated one unless `max_runs` ran out first. A run
+    past the latency bound but still keeping up does not stop the ramp: capacity is not
+    reached."""
+
+    def __init__(self, rates: Sequence[float], max_runs: int, latency_bound: float) -> None:
+        self.ladder = sorted(rates)
+        self.max_runs = max_runs
+        self.latency_bound = latency_bound
+        self.runs: dict[str, dict[str, Any]] = {}
+        self._rate = self.ladder[0]
+        self._base: float | None = None
+        self._done = False
+
+    def next_rate(self) -> float | None:
+        """The rate of the next run, or None when the ramp is over."""
+        i = len(self.runs)
+        if self._done or i >= self.max_runs:
+            return None
+        return self.ladder[i] if i < len(self.ladder) else self._rate * 2.0
+
+    def record(self, rate: float, summary: dict[str, Any]) -> None:
+        self._rate = rate
+        self.runs[rate_key(rate)] = summary
+        if self._base is None:
+            self._base = summary.get("e2e_ms_p50")
+        self._done = _saturated(summary, self._base, self.latency_bound)
+
+
 def ramp_rates(
     run_at: Callable[[float], dict[str, Any]],
     rates: Sequence[float],
     max_runs: int,
     latency_bound: float,
 ) -> dict[str, dict[str, Any]]:
-    """Run `run_at(rate)` at rising rates until the system saturates (`_saturated`): first the
-    given ladder, then doubling the last rate, at most `max_runs` runs. Returns {rate key:
-    summary}; the last run is the saturated one unless `max_runs` ran out first. A run past
-    the latency bound but still keeping up does not stop the ramp: capacity is not reached."""
-    ladder = sorted(rates)
-    out: dict[str, dict[str, Any]] = {}
-    base: float | None = None
-    rate = ladder[0]
-    for i in range(max_runs):
-        rate = ladder[i] if i < len(ladder) else rate * 2.0
-        summary = run_at(rate)
-        out[rate_key(rate)] = summary
-        if base is None:
-            base = summary.get("e2e_ms_p50")
-        if _saturated(summary, base, latency_bound):
-            break
-    return out
+    """Run `run_at(rate)` along one `Ramp` until it is over; returns its runs."""
+    ramp = Ramp(rates, max_runs, latency_bound)
+    while (rate := ramp.next_rate()) is not None:
+        ramp.record(rate, run_at(rate))
+    return ramp.runs
 
 
 def _run_line(rate: float, summary: Mapping[str, Any]) -> str:
@@ -195,32 +221,44 @@ Runs = dict[str, dict[str, Any]]
 BURST = "burst"
 
 
-def _ramp_then_burst(
-    run_at: Callable[[list[WorkloadItem], float], dict[str, Any]],
+RunAt = Callable[[list[WorkloadItem], float], dict[str, Any]]
+"""`run_at(items, rate)`: one run of a started, warmed-up system (rate inf: the burst)."""
+
+
+def _take_turns(
+    systems: Mapping[str, RunAt],
     runs: list[list[WorkloadItem]],
     rates: Sequence[float],
     opts: dict[str, Any],
-) -> Runs:
-    """The ramp over runs[0..max_runs-1] in order, then (opts["burst"]) the burst over the
-    stream part after all of them, the same for every system."""
-    ramp_items = iter(runs[: opts["max_runs"]])
-    out = ramp_rates(
-        lambda rate: run_at(next(ramp_items), rate), rates, opts["max_runs"], opts["latency_bound"]
-    )
+) -> dict[str, Runs]:
+    """Every system's ramp over runs[0..max_runs-1] in order, rate by rate in turns (each
+    rate on every system still ramping, in `systems` order), then (opts["burst"]) every
+    system's burst over the stream part after all of them, the same for every system."""
+    ramps = {name: Ramp(rates, opts["max_runs"], opts["latency_bound"]) for name in systems}
+    while True:
+        turn = {name: ramp.next_rate() for name, ramp in ramps.items()}
+        if all(rate is None for rate in turn.values()):
+            break
+        for name, rate in turn.items():
+            if rate is not None:
+                items = runs[len(ramps[name].runs)]
+                ramps[name].record(rate, systems[name](items, rate))
+    out = {name: ramp.runs for name, ramp in ramps.items()}
     if opts["burst"]:
-        out[BURST] = run_at(runs[opts["max_runs"]], math.inf)
+        for name, run_at in systems.items():
+            out[name][BURST] = run_at(runs[opts["max_runs"]], math.inf)
     return out
 
 
-def _run_ours(
+@contextlib.contextmanager
+def _ours(
     start_server: ServerFactory | Mapping[str, str],
     mode: str,
-    stream: tuple[list[WorkloadItem], list[list[WorkloadItem]]],
-    rates: Sequence[float],
+    warm_items: list[WorkloadItem],
     seed: int,
     opts: dict[str, Any],
-) -> Runs:
-    warm_items, runs = stream
+) -> Iterator[RunAt]:
+    """Our server in `mode`, started and warmed up, as a `RunAt`."""
     namespace = f"bench-{mode}-{seed}"  # one cache per system and stream, warm across runs
     with _server_context(start_server, mode) as base_url:
         kw = {"namespace": namespace, "ignore_eos": opts["ignore_eos"]}
@@ -236,22 +274,23 @@ def _run_ours(
             opts["progress"](mode, _run_line(rate, summary))
             return summary
 
-        return _ramp_then_burst(run_at, runs, rates, opts)
+        yield run_at
 
 
-def _run_vllm(
-    stream: tuple[list[WorkloadItem], list[list[WorkloadItem]]],
-    rates: Sequence[float],
+@contextlib.contextmanager
+def _vllm(
+    warm_items: list[WorkloadItem],
     seed: int,
     opts: dict[str, Any],
     peer_server: Callable[[], AbstractContextManager[Any]] | None,
-) -> tuple[Runs, dict[str, Any]]:
+    peer_info: dict[str, Any],
+) -> Iterator[RunAt]:
+    """vLLM with prefix caching, started and warmed up, as a `RunAt`; fills `peer_info`."""
     import torch
     from transformers import AutoTokenizer
 
     from cachecraft.bench.peer_vllm import VllmServer, prefix_cache_stats
 
-    warm_items, runs = stream
     threads = torch.get_num_threads()  # our server's threads (in process); vLLM gets as many
     make = peer_server or (
         lambda: VllmServer(opts.get("model_dir"), opts["peer_python"], num_threads=threads)
@@ -281,9 +320,8 @@ def _run_vllm(
             opts["progress"]("vllm", _run_line(rate, summary))
             return summary
 
-        out = _ramp_then_burst(run_at, runs, rates, opts)
-        peer_info = {"name": "vllm", "startup_s": getattr(srv, "startup_s", None)}
-    return out, peer_info
+        peer_info.update(name="vllm", startup_s=getattr(srv, "startup_s", None))
+        yield run_at
 
 
 def run_serve_bench(
@@ -306,10 +344,11 @@ def run_serve_bench(
     burst: bool = True,
 ) -> dict[str, Any]:
     """Replay one request stream (synthetic Zipf workload unless `items`) per system (each
-    mode, then the peer): its first `warmup` requests one by one, unmeasured, then runs of
-    `num_requests` Poisson requests at rising rates until the system saturates (`ramp_rates`),
-    each run the next part of the stream (`split_stream`), caches warm throughout; then, with
-    `burst`, one run of `num_requests` sent at once (its throughput is the capacity).
+    mode, then the peer, all started at once): its first `warmup` requests one by one,
+    unmeasured, then runs of `num_requests` Poisson requests at rising rates until the system
+    saturates (`Ramp`), the systems taking turns rate by rate, each run the next part of the
+    stream (`split_stream`), caches warm throughout; then, with `burst`, one run of
+    `num_requests` sent at once per system (its throughput is the capacity).
 
     `start_server` is a factory (a fresh server per mode) or a {mode: base URL} mapping.
     Reported: per system the maximum throughput it reached (the best of its runs, the burst
@@ -344,7 +383,17 @@ def run_serve_bench(
         "burst": burst,
         "progress": progress or (lambda system, message: None),
     }
-    per_mode = {m: _run_ours(start_server, m, stream, rates, seed, opts) for m in modes}
+    warm_items, runs = stream
+    peer_info: dict[str, Any] = {}
+    with contextlib.ExitStack() as started:
+        systems = {
+            m: started.enter_context(_ours(start_server, m, warm_items, seed, opts)) for m in modes
+        }
+        if peer == "vllm":
+            systems["vllm"] = started.enter_context(
+                _vllm(warm_items, seed, opts, peer_server, peer_info)
+            )
+        per_mode = _take_turns(systems, runs, rates, opts)
     result: dict[str, Any] = {
         "config": {
             "modes": list(modes),
@@ -359,10 +408,9 @@ def run_serve_bench(
             "burst": burst,
         },
     }
-    systems = list(modes)
-    if peer == "vllm":
-        per_mode["vllm"], result["peer"] = _run_vllm(stream, rates, seed, opts, peer_server)
-        systems.append("vllm")
+    systems = list(per_mode)
+    if peer_info:
+        result["peer"] = peer_info
     bursts = {m: per_mode[m].pop(BURST) for m in systems if BURST in per_mode[m]}
     ran = sorted({float(k) for runs in per_mode.values() for k in runs})
     result["rates"] = ran

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from cachecraft.api import start_server
+from cachecraft.bench.own_server import server_process
 from cachecraft.bench.serve_bench import (
     DEFAULT_MAX_RUNS,
     DEFAULT_MODES,
@@ -30,9 +30,10 @@ def _parse_rates(text: str) -> list[float]:
 
 
 def add_bench_serve_parser(
-    subparsers: argparse._SubParsersAction, server_factory: ServerFactory = start_server
+    subparsers: argparse._SubParsersAction, server_factory: ServerFactory = server_process
 ) -> argparse.ArgumentParser:
-    """`server_factory(mode)` starts one of our servers per mode (tests pass a fake one)."""
+    """`server_factory(mode)` starts one of our servers per mode: by default `cachecraft serve`
+    in a child process (tests pass a fake one)."""
     parser = subparsers.add_parser(
         "serve", help="open-loop Poisson RAG trace per mode, rates ramped to saturation (vs vLLM)"
     )
