@@ -15,15 +15,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import httpx
-
-from cachecraft.bench.peer_vllm import free_port, signal_group
+from cachecraft.bench.peer_vllm import free_port, signal_group, wait_healthy
 from cachecraft.env import child_env
-from cachecraft.errors import CachecraftError
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0
@@ -46,13 +42,6 @@ def server_command(mode: str, port: int, extra_args: Sequence[str] = ()) -> list
         "warning",
         *extra_args,
     ]
-
-
-def _tail(path: Path, num_lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-    except OSError:
-        return "(no log)"
 
 
 @contextlib.contextmanager
@@ -78,7 +67,7 @@ def server_process(
             start_new_session=True,
         )
     try:
-        _wait_healthy(proc, url, log_path, startup_timeout_s)
+        wait_healthy(proc, url, log_path, startup_timeout_s, f"our server ({' '.join(proc.args)})")
         yield url
     finally:
         signal_group(proc.pid, signal.SIGINT)
@@ -88,20 +77,3 @@ def server_process(
             signal_group(proc.pid, signal.SIGKILL)
             proc.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise CachecraftError(
-                f"our server ({' '.join(proc.args)}) exited with code {proc.returncode} while "
-                f"starting; last lines of its log:\n{_tail(log_path)}"
-            )
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise CachecraftError(
-        f"our server not healthy after {timeout_s:g} s; last lines of its log:\n{_tail(log_path)}"
-    )

@@ -100,6 +100,32 @@ def _log_tail(path: Path, num_lines: int = 30) -> str:
     return "\n".join(lines[-num_lines:])
 
 
+def wait_healthy(
+    proc: subprocess.Popen,
+    base_url: str,
+    log_path: Path,
+    timeout_s: float,
+    name: str,
+    error: type[CachecraftError] = CachecraftError,
+) -> None:
+    """Poll `base_url`/health until it answers 200. A child that exits first, or stays
+    unhealthy for `timeout_s`, is an `error` carrying the tail of its log; `name` says whose."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise error(
+                f"{name} exited with code {proc.returncode} while starting; "
+                f"last lines of its log:\n{_log_tail(log_path)}"
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise error(
+        f"{name} not healthy after {timeout_s:g} s; last lines of its log:\n{_log_tail(log_path)}"
+    )
+
+
 class VllmServer:
     """`with VllmServer(model_dir) as srv: srv.base_url` runs vLLM for the block's duration."""
 
@@ -182,7 +208,10 @@ class VllmServer:
                     cwd=self._tmp,
                     start_new_session=True,
                 )
-            self._wait_healthy()
+            assert self.log_path is not None
+            wait_healthy(
+                self._proc, self.base_url, self.log_path, self.startup_timeout_s, "vLLM", PeerError
+            )
         except OSError as e:  # the interpreter itself could not be run
             self.stop()
             raise PeerError(f"cannot run {self.python}: {e}") from None
@@ -192,24 +221,6 @@ class VllmServer:
         self.startup_s = time.perf_counter() - t0
         logger.info("vLLM ready in %.1f s", self.startup_s)
         return self
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        assert self._proc is not None and self.log_path is not None
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise PeerError(
-                    f"vLLM exited with code {self._proc.returncode} while starting; "
-                    f"last lines of its log:\n{_log_tail(self.log_path)}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise PeerError(
-            f"vLLM not healthy after {self.startup_timeout_s:g} s; "
-            f"last lines of its log:\n{_log_tail(self.log_path)}"
-        )
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Stop vLLM and every process it started (its own session: the API server, engine
