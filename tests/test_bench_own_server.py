@@ -14,7 +14,8 @@ from cachecraft.errors import CachecraftError
 
 
 def test_a_child_server_answers_then_stops(tiny_dir: Path) -> None:
-    with server_process("cachecraft", ["--model", str(tiny_dir)]) as url:
+    with server_process("cachecraft", ["--model", str(tiny_dir), "--dtype", "bfloat16"]) as url:
+        assert httpx.get(f"{url}/health", timeout=10).json()["dtype"] == "bfloat16"
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         body = {
             "model": model,

@@ -100,6 +100,9 @@ def test_command_has_the_fair_comparison_settings(tmp_path: Path) -> None:
     assert cmd[cmd.index("--dtype") + 1] == "float32"
     assert cmd[cmd.index("--block-size") + 1] == "32"
     assert cmd[cmd.index("--model") + 1] == str(tmp_path)
+    bf16 = VllmServer(tmp_path, python="py", dtype="bfloat16")
+    bf16.port = 1234
+    assert bf16.command()[bf16.command().index("--dtype") + 1] == "bfloat16"
 
 
 # A stand-in for vLLM: answers /health, and starts a child of its own (as vLLM starts its

@@ -221,6 +221,30 @@ def test_cli_parses_and_prints_json(fake_url: str, capsys: pytest.CaptureFixture
     assert main_serve_bench is args.func
 
 
+def test_cli_dtype_starts_our_servers_and_names_vllms(
+    fake_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started: list[tuple[str, tuple[str, ...]]] = []
+
+    @contextmanager
+    def start(mode: str, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
+        started.append((mode, tuple(extra_args)))
+        yield fake_url
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_parser(parser.add_subparsers(dest="bench"), start)
+    base = ["serve", "--json", "--rates", "20", "--requests", "1", "--warmup", "0"]
+    base += ["--max-runs", "1", "--no-burst", "--modes", "prefix"]
+    args = parser.parse_args([*base, "--dtype", "bfloat16"])
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["dtype"] == "bfloat16"
+    args = parser.parse_args(base)
+    assert args.func(args) == 0
+    assert started == [("prefix", ("--dtype", "bfloat16")), ("prefix", ())]
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--dtype", "float64"])
+
+
 def test_the_stream_warms_up_then_feeds_each_run_the_next_requests() -> None:
     items = [WorkloadItem(str(i), RagRequest(f"q{i}?", [Chunk(f"c{i}")])) for i in range(7)]
     warm, runs = serve_bench.split_stream(items, warmup=2, num_requests=2, max_runs=3)

@@ -288,6 +288,30 @@ def test_every_mode_told_to_compute_everything_equals_full(
     assert out.token_ids == full.token_ids
 
 
+@pytest.mark.parametrize("mode", ["cachecraft", "cacheblend", "prefix"])
+def test_a_bfloat16_model_told_to_compute_everything_matches_its_full_prefill(
+    tiny_dir: Path, mode: str
+) -> None:
+    """`serve --dtype bfloat16`: the same contract in the model's own dtype (variants kept in
+    it too). bf16 rounds differently on the partial path (other kernels, other row counts),
+    so "equal" is: the same tokens, and logits within a small multiple of bf16's rounding,
+    ten times closer than reusing the stale K/V without recomputing gets."""
+    store = MemoryStore(2 << 30, storage_dtype="bfloat16")
+    llm = LLM(str(tiny_dir), dtype="bfloat16", store=store, **EVERYTHING)
+    assert llm.loaded.model.dtype == torch.bfloat16
+    _run(llm, _req([0, 1, 2]), "naive")  # warm: every chunk becomes a variant
+    request = _req([1, 0, 3])  # reused in another order: stale K/V unless recomputed
+    full = _run(llm, request, "full")
+    stale = _run(llm, request, "naive")
+    out = _run(llm, request, mode)
+    assert [c.is_hit for c in stale.report.chunks][:2] == [True, True]
+    assert all(c.tokens_recomputed == c.num_tokens for c in out.report.chunks)
+    gap = (out.first_token_logits - full.first_token_logits).abs().max()
+    naive_gap = (stale.first_token_logits - full.first_token_logits).abs().max()
+    assert gap < 0.01 and gap * 10 < naive_gap
+    assert out.token_ids == full.token_ids
+
+
 def _spliced(llm: LLM, request: RagRequest):
     """A cachecraft plan for `request` and its KV with every reused layer filled."""
     from cachecraft.engine.layer_loader import LayerLoader

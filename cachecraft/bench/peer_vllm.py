@@ -138,6 +138,7 @@ class VllmServer:
         block_size: int = 32,
         startup_timeout_s: float = 600.0,
         extra_args: Sequence[str] = (),
+        dtype: str = "float32",
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.python = Path(python).absolute()  # absolute, not resolved: keep the venv symlink
@@ -146,6 +147,7 @@ class VllmServer:
         self.block_size = block_size
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = tuple(extra_args)
+        self.dtype = dtype
         self.model_name = SERVED_MODEL_NAME
         self.port: int | None = None
         self.startup_s: float | None = None
@@ -176,7 +178,7 @@ class VllmServer:
             "--port",
             str(self.port),
             "--dtype",
-            "float32",
+            self.dtype,
             "--block-size",
             str(self.block_size),
             "--enable-prefix-caching",

@@ -293,7 +293,9 @@ def _vllm(
 
     threads = torch.get_num_threads()  # our server's threads (in process); vLLM gets as many
     make = peer_server or (
-        lambda: VllmServer(opts.get("model_dir"), opts["peer_python"], num_threads=threads)
+        lambda: VllmServer(
+            opts.get("model_dir"), opts["peer_python"], num_threads=threads, dtype=opts["dtype"]
+        )
     )
     with make() as srv:
         tokenizer = AutoTokenizer.from_pretrained(srv.model_dir)
@@ -342,6 +344,7 @@ def run_serve_bench(
     warmup: int = 0,
     progress: Progress | None = None,
     burst: bool = True,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Replay one request stream (synthetic Zipf workload unless `items`) per system (each
     mode, then the peer, all started at once): its first `warmup` requests one by one,
@@ -355,7 +358,8 @@ def run_serve_bench(
     included; `max_throughput_run` names the run) and its computed prompt tokens/s there;
     latencies at `common_rate`, the highest rate every system sustained. `ignore_eos` makes every mode
     generate exactly `max_tokens`, so latencies compare prefill work, not answer lengths.
-    `peer_server` replaces the vLLM launcher (tests)."""
+    `peer_server` replaces the vLLM launcher (tests). `dtype` is vLLM's (our servers are
+    started in theirs by `start_server`)."""
     if not rates or any(r <= 0 for r in rates):
         raise CachecraftError(f"rates must be positive, got {list(rates)}")
     if max_runs < 1:
@@ -381,6 +385,7 @@ def run_serve_bench(
         "max_runs": max_runs,
         "latency_bound": latency_bound,
         "burst": burst,
+        "dtype": dtype,
         "progress": progress or (lambda system, message: None),
     }
     warm_items, runs = stream
@@ -406,6 +411,7 @@ def run_serve_bench(
             "latency_bound": latency_bound,
             "max_runs": max_runs,
             "burst": burst,
+            "dtype": dtype,
         },
     }
     systems = list(per_mode)

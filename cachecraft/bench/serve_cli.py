@@ -6,6 +6,7 @@ Wire it with `add_bench_serve_parser(bench_subparsers)`; the work is `run_serve_
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -84,6 +85,12 @@ def add_bench_serve_parser(
         default="128,512",
         help="min,max tokens per chunk of the synthetic Zipf workload",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="weights and compute of every system, vLLM included",
+    )
     parser.set_defaults(func=main_serve_bench, server_factory=server_factory)
     return parser
 
@@ -107,8 +114,11 @@ def _print_progress(system: str, message: str) -> None:
 
 def main_serve_bench(args: argparse.Namespace) -> int:
     items = _items(args)
+    factory = args.server_factory
+    if args.dtype != "float32":  # our servers in the same dtype as vLLM
+        factory = functools.partial(factory, extra_args=("--dtype", args.dtype))
     result = run_serve_bench(
-        args.server_factory,
+        factory,
         peer=args.peer,
         rates=args.rates,
         num_requests=args.requests,
@@ -121,6 +131,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         progress=_print_progress,
         burst=args.burst,
+        dtype=args.dtype,
     )
     result["config"]["workload"] = args.workload
     if args.json:

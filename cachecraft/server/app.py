@@ -520,6 +520,7 @@ def create_app(
             "reason": problem,
             "tiers": {t.name: t._asdict() for t in tiers},
             "model": loaded.name,
+            "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "mode": engine.config.mode,
             "num_waiting": engine.num_waiting,
             "num_running": engine.num_running,

@@ -44,6 +44,7 @@ def build_stack(
     mode: str | None = None,
     *,
     model: str | None = None,
+    dtype: str = "float32",
     loaded: LoadedModel | None = None,
     reuse: ReuseConfig | None = None,
     store: StoreConfig | None = None,
@@ -51,7 +52,8 @@ def build_stack(
 ) -> Stack:
     """A started Engine for `mode` (the server default; requests may override it) over a store
     built from `store`. `mode` and `engine.mode` are one setting: two different values are an
-    error; so are both `model` and `loaded`."""
+    error; so are both `model` and `loaded`. `dtype` is the weights' and the compute's
+    (`model` only: a `loaded` model has its own)."""
     if model is not None and loaded is not None:
         raise ValueError("give the model once: `model` (a path) or `loaded`, not both")
     config = engine or EngineConfig()
@@ -59,7 +61,7 @@ def build_stack(
         if engine is not None and config.mode != EngineConfig().mode:
             raise ValueError(f"mode given twice: {mode!r} and engine.mode={config.mode!r}")
         config = dataclasses.replace(config, mode=mode)
-    loaded = loaded or load_model(model)
+    loaded = loaded or load_model(model, dtype)
     chunk_store = make_store(store or StoreConfig())
     runner = Runner(loaded, chunk_store, reuse or ReuseConfig())
     return Stack(Engine(runner, config).start(), chunk_store)
