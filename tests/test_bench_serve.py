@@ -14,7 +14,7 @@ from fake_openai import MODE_COMPUTED, serve_fake
 
 from cachecraft.bench import serve_bench
 from cachecraft.bench.item import WorkloadItem
-from cachecraft.bench.serve_bench import ramp_rates, run_serve_bench, sustained_rate
+from cachecraft.bench.serve_bench import Ramp, run_serve_bench, sustained_rate
 from cachecraft.bench.serve_cli import add_bench_serve_parser, main_serve_bench
 from cachecraft.errors import CachecraftError
 from cachecraft.model.loader import resolve_model_dir
@@ -52,6 +52,14 @@ def test_sustained_rate_is_the_highest_rate_within_the_bound() -> None:
     assert sustained_rate(per_rate, rates, "prefix", latency_bound=3.1) == 0.4
     per_rate["0.1"]["prefix"] = _summary(None, errors=3)  # nothing completed at the lowest rate
     assert sustained_rate(per_rate, rates, "prefix") is None
+
+
+def ramp_rates(run_at, rates: list[float], max_runs: int, latency_bound: float) -> dict:
+    """One system's whole ramp, run by run, as `bench serve` drives each system's `Ramp`."""
+    ramp = Ramp(rates, max_runs, latency_bound)
+    while (rate := ramp.next_rate()) is not None:
+        ramp.record(rate, run_at(rate))
+    return ramp.runs
 
 
 def test_ramp_stops_at_the_first_saturated_rate_and_doubles_past_the_ladder() -> None:

@@ -150,19 +150,6 @@ class Ramp:
         self._done = _saturated(summary, self._base, self.latency_bound)
 
 
-def ramp_rates(
-    run_at: Callable[[float], dict[str, Any]],
-    rates: Sequence[float],
-    max_runs: int,
-    latency_bound: float,
-) -> dict[str, dict[str, Any]]:
-    """Run `run_at(rate)` along one `Ramp` until it is over; returns its runs."""
-    ramp = Ramp(rates, max_runs, latency_bound)
-    while (rate := ramp.next_rate()) is not None:
-        ramp.record(rate, run_at(rate))
-    return ramp.runs
-
-
 def _run_line(rate: float, summary: Mapping[str, Any]) -> str:
     offered = "burst (all at once)" if math.isinf(rate) else f"{rate_key(rate)} req/s offered"
     return (
@@ -291,7 +278,7 @@ def _vllm(
 
     from cachecraft.bench.peer_vllm import VllmServer, prefix_cache_stats
 
-    threads = torch.get_num_threads()  # our server's threads (in process); vLLM gets as many
+    threads = torch.get_num_threads()  # our child server takes the same default; vLLM as many
     make = peer_server or (
         lambda: VllmServer(
             opts.get("model_dir"), opts["peer_python"], num_threads=threads, dtype=opts["dtype"]
