@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import cachecraft.model.llama as llama
 from cachecraft.model.kv import KVCache
-from cachecraft.model.linear import PLAIN_MAX_ROWS, Linear, can_pack
+from cachecraft.model.linear import PACKED_BF16_MAX_ROWS, PLAIN_MAX_ROWS, Linear, can_pack
 from cachecraft.model.llama import LlamaModel
 from cachecraft.model.loader import LoadedModel
 from cachecraft.model.step import SeqWork
@@ -47,6 +47,32 @@ def test_a_kept_plain_weight_serves_one_or_two_rows() -> None:
         assert torch.equal(lin(x[:n]), F.linear(x[:n], weight))
     packed = Linear(weight, None, pack=True)
     assert torch.equal(lin(x), packed(x))  # more rows: the packed one
+
+
+@pytest.mark.skipif(
+    not can_pack(torch.bfloat16, torch.device("cpu")), reason="oneDNN has no native bf16 here"
+)
+def _ran_packed(lin: Linear, x: torch.Tensor) -> bool:
+    """Whether lin(x) ran oneDNN's packed product (seen by the profiler); its value is
+    F.linear's within bf16 rounding either way. `lin` keeps its plain weight."""
+    with torch.profiler.profile() as prof:
+        got = lin(x)
+    want = F.linear(x, lin.weight).float()
+    assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+    return any("_linear_pointwise" in e.name for e in prof.events())
+
+
+def test_bf16_packs_for_small_products_and_keeps_plain_for_long_ones() -> None:
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(96, 40, generator=g).bfloat16()
+    x = torch.randn(PACKED_BF16_MAX_ROWS + 3, 40, generator=g).bfloat16()
+    lin = Linear(weight, None, pack=True, keep_plain=True)
+    assert lin.is_packed and lin.weight is weight
+    for n in (1, 2, 17, PACKED_BF16_MAX_ROWS):  # small products: the packed weight
+        assert _ran_packed(lin, x[:n])
+    assert not _ran_packed(lin, x)  # a long one: the plain weight
+    fp32 = Linear(weight.float(), None, pack=True, keep_plain=True)  # fp32: the other way
+    assert not _ran_packed(fp32, x[:1].float()) and _ran_packed(fp32, x.float())
 
 
 def test_plain_linear_when_not_packed() -> None:

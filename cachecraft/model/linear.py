@@ -3,8 +3,9 @@
 On this machine (AMD EPYC, AVX-512, one thread) torch's default fp32 GEMM runs at under half
 the speed of oneDNN with a prepacked weight: all of SmolLM2's layer weights at 16 rows take
 60 -> 27 ms, at 300 rows 659 -> 287 ms, at 1,500 rows 3.3 -> 1.4 s. Packing happens once at
-load. Where oneDNN is missing, the model is not fp32 on the CPU, or a probe product disagrees
-with `F.linear`, the plain weight is used.
+load. Where oneDNN is missing, the model is neither fp32 nor bf16 that oneDNN computes
+natively (`_is_mkldnn_bf16_supported`), or a probe product disagrees with `F.linear`, the plain
+weight is used.
 
 One or two rows (a decode step of one or two sequences) are the exception: there torch's
 GEMV/GEMM reads the plain weight faster than oneDNN reads the packed one (SmolLM2's layers,
@@ -14,11 +15,15 @@ plain weight beside the packed one for those products, at the cost of a second c
 memory. Rechecked on an Intel Xeon VM (AVX-512, one thread, all 30 layers, both arms
 alternating): one row plain 38.5 ms vs packed 46.5, two rows 41.7 vs 51.4, four rows 71.5 vs
 53.4; the head alone at one row 9.7 vs 11.2 ms.
+
+bf16 is the other way round (`PACKED_BF16_MAX_ROWS`): packed is faster for small products (a
+decode step, a probe) and not for a long prefill's, so those read the plain weight.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -31,14 +36,22 @@ from 1 to 1,500 rows; 1 was slower for many rows)."""
 
 
 PLAIN_MAX_ROWS = 2
-"""Products of at most this many rows use the plain weight when it is kept."""
+"""fp32: products of at most this many rows use the plain weight when it is kept."""
+
+
+PACKED_BF16_MAX_ROWS = 256
+"""bf16 (where oneDNN computes it natively: AVX512-BF16 / AMX): products of at most this many
+rows use the packed weight, larger ones the plain one when it is kept. On an AMX Xeon VM, two
+threads, SmolLM2's five weight shapes, F.linear over packed: 1.4-2.9x at 1-32 rows, 1.5-1.9x
+at 64-128, 1.3x at 256, 0.7-1.2x at 512 (the down-projection and o-proj slower packed)."""
 
 
 class Linear:
     """`linear(x)`: x [n, in] -> [n, out]. `weight` [out, in] stays the plain tensor (None
-    once packed and `keep_plain` was False)."""
+    once packed and `keep_plain` was False). With both kept, a product of n rows reads the
+    packed one when `packed_rows[0] <= n <= packed_rows[1]`."""
 
-    __slots__ = ("bias", "out_features", "packed", "weight")
+    __slots__ = ("bias", "out_features", "packed", "packed_rows", "weight")
 
     def __init__(
         self,
@@ -47,20 +60,27 @@ class Linear:
         pack: bool,
         keep_plain: bool = False,
     ) -> None:
-        """keep_plain: once packed, keep `weight` as well for one-row products."""
+        """keep_plain: once packed, keep `weight` as well for the products it is faster at
+        (fp32: one or two rows; bf16: more than PACKED_BF16_MAX_ROWS)."""
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.out_features = weight.shape[0]
         self.packed = _pack(weight, bias) if pack else None
+        self.packed_rows = (0, math.inf)
         if self.packed is not None and not keep_plain:
             self.weight = None  # the packed copy replaces it: no second copy in memory
+        elif weight.dtype == torch.bfloat16:
+            self.packed_rows = (0, PACKED_BF16_MAX_ROWS)
+        else:
+            self.packed_rows = (PLAIN_MAX_ROWS + 1, math.inf)
 
     @property
     def is_packed(self) -> bool:
         return self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and (self.weight is None or x.shape[0] > PLAIN_MAX_ROWS):
+        low, high = self.packed_rows
+        if self.packed is not None and low <= x.shape[0] <= high:
             if not x.is_contiguous():
                 x = x.contiguous()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -69,7 +89,12 @@ class Linear:
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """fp32 on a CPU with oneDNN; bf16 where oneDNN computes it natively."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -77,12 +102,14 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | Non
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+        probe = probe.to(weight.dtype)
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "").float()
     except (RuntimeError, AttributeError) as e:
         log.info("oneDNN linear unavailable (%r); using F.linear", e)
         return None
-    want = F.linear(probe, weight, bias)
-    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-6):
+    want = F.linear(probe, weight, bias).float()
+    tol = max(1e-4, 4 * torch.finfo(weight.dtype).eps)  # bf16: a few of its rounding steps
+    if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()) + 1e-6):
         log.warning("oneDNN linear disagrees with F.linear; using F.linear")
         return None
     return packed

@@ -31,8 +31,8 @@ from cachecraft.model.step import DecodeBatch, LayerView, SeqResult, SeqWork, St
 
 PLAIN_COPY_MAX_BYTES = 1 << 30
 """Packed models whose linear weights take at most this much keep their plain weights too,
-for products of one or two rows (model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B
-model's 26 GiB."""
+for the products those are faster at (fp32: one or two rows; bf16: long prefills;
+model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B model's 26 GiB."""
 
 
 class LayerWeights(NamedTuple):
