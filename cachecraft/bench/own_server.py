@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from cachecraft.bench.peer_vllm import free_port, signal_group, wait_healthy
+from cachecraft.bench.peer_vllm import free_port, stop_session, wait_healthy
 from cachecraft.env import child_env
 
 STARTUP_TIMEOUT_S = 300.0
@@ -70,10 +70,5 @@ def server_process(
         wait_healthy(proc, url, log_path, startup_timeout_s, f"our server ({' '.join(proc.args)})")
         yield url
     finally:
-        signal_group(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            signal_group(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_session(proc, signal.SIGINT, STOP_GRACE_S)
         shutil.rmtree(tmp, ignore_errors=True)

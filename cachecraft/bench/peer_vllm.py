@@ -48,6 +48,22 @@ def signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+def stop_session(proc: subprocess.Popen, sig: signal.Signals, grace_s: float) -> bool:
+    """Stop a child started with `start_new_session`: `sig` to its whole group, up to
+    `grace_s` for the leader to exit, then SIGKILL to whatever of the group is left (children
+    may outlive their leader). False if the leader did not exit within the grace period."""
+    signal_group(proc.pid, sig)
+    try:
+        proc.wait(grace_s)
+        stopped = True
+    except subprocess.TimeoutExpired:
+        stopped = False
+    signal_group(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    return stopped
+
+
 def vllm_env(num_threads: int, kvcache_gib: float, cache_root: Path) -> dict[str, str]:
     """The environment of a vLLM child process: our environment plus the settings that make
     the comparison fair on this CPU (`num_threads` cores, a fixed KV space, a private cache
@@ -230,17 +246,10 @@ class VllmServer:
         included). Our caller runs this on SIGTERM too: `cachecraft.cli` turns SIGTERM into
         KeyboardInterrupt so `with VllmServer(...)` blocks unwind."""
         proc, self._proc = self._proc, None
-        if proc is not None:
-            signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("vLLM did not stop in %.0f s; killing it", grace_s)
-            # Children left in the group (vLLM's API server may exit before its workers do)
-            # are killed whether or not the leader stopped in time.
-            signal_group(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
+        # Children left in the group (vLLM's API server may exit before its workers do) are
+        # killed whether or not the leader stopped in time.
+        if proc is not None and not stop_session(proc, signal.SIGTERM, grace_s):
+            logger.warning("vLLM did not stop in %.0f s; killed it", grace_s)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

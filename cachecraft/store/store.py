@@ -276,16 +276,14 @@ class TieredStore:
         except Exception as e:  # never lose the writer thread to one variant
             logger.exception("writing variant %s behind failed", vid)
             write_error = f"{type(e).__name__}: {e}"
-        with self._lock:
+        with self._lock:  # one hold: an offer of the same id cannot write between the two
             self._pending.pop(vid, None)
-            cancelled = pending.cancelled
-        if cancelled:  # removed while queued or written: what the write put down goes too
-            with self._lock:
+            if pending.cancelled:  # removed while queued or written: its files go too
                 if self.disk is not None:
                     self.disk.delete(vid)
                 if self.redis is not None:
                     self.redis.delete(vid)
-            return
+                return
         self._settle(variant, in_memory or stored, write_error)
 
     def flush(self) -> None:
