@@ -36,22 +36,24 @@ model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B model's 26 GiB."""
 
 
 class LayerWeights(NamedTuple):
-    ln1: torch.Tensor
+    """A layer's products. The two RMSNorm weights are folded into the products that read
+    their output (W diag(w): qkv carries input_layernorm's, gate_up post_attention_layernorm's),
+    so a layer's norms are `_normalize` alone: one pass over the rows less each."""
+
     qkv: Linear  # [(H + 2 Hkv) D, hidden] (+ bias for Qwen2)
     o: Linear  # [hidden, H D]
-    ln2: torch.Tensor
     gate_up: Linear  # [2 I, hidden]
     down: Linear  # [hidden, I]
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, the mean in fp32. The sum of squares comes from one
+def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps), the mean in fp32. The sum of squares comes from one
     reduction (`vector_norm`, squared again on the [n, 1] result) rather than a squared copy
     of x and its mean; the result differs from that form by float rounding (~4e-7 relative)."""
     xf = x.float()
     inv = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_()
     inv = inv.div_(x.shape[-1]).add_(eps).rsqrt_()
-    return weight * (xf * inv).to(x.dtype)
+    return (xf * inv).to(x.dtype)
 
 
 def _linear_bytes(state_dict: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool) -> int:
@@ -148,8 +150,13 @@ class LlamaModel:
         self.device = torch.device(device)
         self.rope = Rope(hf_config, arch.head_dim, self.device)
 
-        def get(name: str) -> torch.Tensor:
-            return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
+        def get(name: str, norm: str | None = None) -> torch.Tensor:
+            """The weight `name`; with `norm`, times that RMSNorm's weight per input column
+            (folded in fp32, then cast once)."""
+            w = state_dict[name]
+            if norm is not None:
+                w = w.float() * state_dict[norm].float()[None, :]
+            return w.to(device=self.device, dtype=dtype).contiguous()
 
         pack = pack and can_pack(dtype, self.device)
         self.embed = get("model.embed_tokens.weight")
@@ -167,14 +174,15 @@ class LlamaModel:
             bias = None
             if arch.attention_bias:
                 bias = torch.cat([get(att + f"{x}_proj.bias") for x in "qkv"])
-            qkv = torch.cat([get(att + f"{x}_proj.weight") for x in "qkv"])
-            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            ln1, ln2 = p + "input_layernorm.weight", p + "post_attention_layernorm.weight"
+            qkv = torch.cat([get(att + f"{x}_proj.weight", ln1) for x in "qkv"])
+            gate_up = torch.cat(
+                [get(p + "mlp.gate_proj.weight", ln2), get(p + "mlp.up_proj.weight", ln2)]
+            )
             self.layers.append(
                 LayerWeights(
-                    ln1=get(p + "input_layernorm.weight"),
                     qkv=Linear(qkv, bias, pack, plain),
                     o=Linear(get(att + "o_proj.weight"), None, pack, plain),
-                    ln2=get(p + "post_attention_layernorm.weight"),
                     gate_up=Linear(gate_up, None, pack, plain),
                     down=Linear(get(p + "mlp.down_proj.weight"), None, pack, plain),
                 )
@@ -259,7 +267,7 @@ class LlamaModel:
         arch = self.arch
         nh, nkv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
         num_rows = h.shape[0]
-        x = _rms_norm(h, w.ln1, arch.rms_norm_eps)
+        x = _normalize(h, arch.rms_norm_eps)  # input_layernorm's weight is in qkv
         qkv = w.qkv(x)
         # Rotate the queries and keys of all rows at once: [N, H + Hkv, D].
         qk = Rope.apply(qkv[:, : (nh + nkv) * hd].view(num_rows, nh + nkv, hd), cos, sin)
@@ -291,7 +299,7 @@ class LlamaModel:
     def _mlp(self, h: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The rest of a layer after attention: o-proj, residual, norm, MLP, residual."""
         h = h + w.o(attn)
-        x = _rms_norm(h, w.ln2, self.arch.rms_norm_eps)
+        x = _normalize(h, self.arch.rms_norm_eps)  # post_attention_layernorm's is in gate_up
         gate, up = w.gate_up(x).chunk(2, dim=-1)
         # The SiLU out of place: `gate` is a strided half of the product, and an in-place
         # SiLU on it computes a copy and writes it back (one more pass over [n, I]). The
@@ -420,7 +428,7 @@ class LlamaModel:
         if num_decode:
             picks.append(torch.arange(start, start + num_decode, device=h.device))
             counts.append(num_decode)
-        x = _rms_norm(h[torch.cat(picks)], self.norm, self.arch.rms_norm_eps)
+        x = self.norm * _normalize(h[torch.cat(picks)], self.arch.rms_norm_eps)
         logits = self.lm_head(x).float().split(counts)
         results = []
         for s, seq_logits in zip(states, logits[: len(states)], strict=True):
