@@ -45,8 +45,8 @@ def _operands(q_pos: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
 
 CASES = {
     "full-causal": (torch.arange(40), None),
-    "partial-fold": (torch.tensor([3, 7, 8, 20, 39]), None),
-    "partial-expand": (torch.cat([torch.arange(10), torch.arange(25, 40)]), None),
+    "partial-few-rows": (torch.tensor([3, 7, 8, 20, 39]), None),
+    "partial-two-runs": (torch.cat([torch.arange(10), torch.arange(25, 40)]), None),
     "decode": (torch.tensor([39]), None),
     "window": (torch.arange(40), 16),
     # rows after a short cached prefix: one causal call over zero rows in front of them
@@ -67,7 +67,11 @@ def test_fused_stats_equal_explicit_and_output_equals_plain(case: str) -> None:
     assert case != "row-blocks" or len(q_pos) > ROW_BLOCK
     plain, none = causal_attention(q, k, v, q_pos, window)
     assert none is None
-    out, mass = causal_attention(q, k, v, q_pos, window, span_onehot(bounds, ctx, q.dtype))
+    dest = torch.full((len(q_pos), q.shape[0], q.shape[2]), float("nan"))  # [n, H, D]
+    out, mass = causal_attention(
+        q, k, v, q_pos, window, span_onehot(bounds, ctx, q.dtype), None, dest
+    )
+    assert out.data_ptr() == dest.data_ptr() and torch.equal(dest, out.transpose(0, 1))
     ref_out, probs = _brute(q, k, v, q_pos, window)
     assert (out - plain).abs().max() < 1e-5
     assert (out - ref_out).abs().max() < 1e-5
@@ -101,7 +105,7 @@ def test_rows_after_a_cached_prefix_equal_the_full_prefill_rows() -> None:
     assert torch.equal(rows, full[:, pad:])
 
 
-@pytest.mark.parametrize("case", ["partial-fold", "suffix-long-prefix", "window", "decode"])
+@pytest.mark.parametrize("case", ["partial-few-rows", "suffix-long-prefix", "window", "decode"])
 def test_key_meter_output_equals_plain_and_mass_equals_brute_force(case: str) -> None:
     q_pos, window = CASES[case]
     q, k, v = _operands(q_pos, seed=1)

@@ -89,20 +89,18 @@ were faster as blocks (6.3 vs 7.3 ms)."""
 @dataclass(frozen=True, slots=True)
 class RowPlan:
     """What `causal_attention` does for rows at positions `q_pos`, independent of the layer:
-    a causal call after `pad` zero rows, or blocks of rows (a, b, end, mask, fold) over keys
-    0..end-1 with their additive masks already built (folded: the query heads of a KV group
-    stacked as rows, the mask repeated for them). Built once per forward step, not per layer:
-    under load the per-layer mask building cost as much as the attention itself."""
+    a causal call after `pad` zero rows, or blocks of rows (a, b, end, mask) over keys
+    0..end-1 with their additive masks [b - a, end] already built (None: one row that sees
+    every key). Built once per forward step, not per layer: under load the per-layer mask
+    building cost as much as the attention itself."""
 
     q_pos: torch.Tensor
     pad: int
     causal: bool
-    blocks: tuple[tuple[int, int, int, torch.Tensor | None, bool], ...]
+    blocks: tuple[tuple[int, int, int, torch.Tensor | None], ...]
 
 
-def plan_rows(
-    q_pos: torch.Tensor, window: int | None, num_heads: int, num_kv: int, dtype: torch.dtype
-) -> RowPlan:
+def plan_rows(q_pos: torch.Tensor, window: int | None, dtype: torch.dtype) -> RowPlan:
     """The RowPlan of sorted positions q_pos [n] (keys 0..q_pos[-1])."""
     n = q_pos.shape[0]
     ctx = int(q_pos[-1]) + 1
@@ -112,22 +110,18 @@ def plan_rows(
     )
     if causal:
         return RowPlan(q_pos, pad, True, ())
-    group = num_heads // num_kv
     num_blocks = -(-n // ROW_BLOCK)
     cuts = [round(i * n / num_blocks) for i in range(num_blocks + 1)]
     blocks = []
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
         end = int(q_pos[b - 1]) + 1  # keys past the block's last row are all masked
         needs_window = window is not None and end > window
-        fold = group * (b - a) <= end
         mask = None
         if b - a > 1 or needs_window:  # one row at the last position needs none (decode)
             allowed = _mask(q_pos[a:b], end, window if needs_window else None)
-            if fold:
-                allowed = allowed.repeat(group, 1)
             mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
             mask.masked_fill_(~allowed, float("-inf"))
-        blocks.append((a, b, end, mask, fold))
+        blocks.append((a, b, end, mask))
     return RowPlan(q_pos, pad, False, tuple(blocks))
 
 
@@ -139,44 +133,53 @@ def causal_attention(
     window: int | None,
     onehot: torch.Tensor | None = None,
     plan: RowPlan | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [H, n, D] at sorted positions q_pos [n]; k, v [Hkv, ctx, D] with ctx = q_pos[-1] + 1.
-    `plan`: `plan_rows` of the same positions (built here when None).
+    `plan`: `plan_rows` of the same positions (built here when None). `out` [n, H, D]: where
+    the output goes (e.g. the rows' slice of the layer's attention output, so no copy of it
+    follows; allocated when None).
 
-    Returns (out [H, n, D], mass): with onehot [>= ctx, S] (see `span_onehot`), mass [n, S] is
-    each row's head-averaged attention probability on each span, computed by the same SDPA call
-    (fused: no score matrix of ours exists); without it mass is None.
+    Returns (`out` viewed as [H, n, D], mass): with onehot [>= ctx, S] (see `span_onehot`),
+    mass [n, S] is each row's head-averaged attention probability on each span,
+    computed by the same SDPA calls (fused: no score matrix of ours exists); without it mass
+    is None.
     """
     num_heads, n, head_dim = q.shape
-    num_kv, ctx = k.shape[0], k.shape[1]
+    ctx = k.shape[1]
     scale = head_dim**-0.5
     if plan is None:
-        plan = plan_rows(q_pos, window, num_heads, num_kv, q.dtype)
+        plan = plan_rows(q_pos, window, q.dtype)
+    if out is None:
+        out = q.new_empty((n, num_heads, head_dim))
+    num_spans = 0
     if onehot is not None:
+        num_spans = onehot.shape[1]
         q, k, v = _widen(q, k, v, onehot[:ctx])
-    width = q.shape[-1]
+    masses = []
+
+    def put(a: int, b: int, res: torch.Tensor) -> None:
+        """One SDPA call's rows a..b-1, res [H, b - a, width], into `out` (and their mass)."""
+        out[a:b] = res[..., :head_dim].transpose(0, 1)
+        if num_spans:
+            masses.append(res[..., head_dim : head_dim + num_spans].mean(0))
+
     if plan.causal:
         # q_pos == pad..ctx-1: with `pad` zero query rows in front, SDPA's top-left aligned
         # causal mask is exact (pad == 0: a full prefill), and every real row is computed as
         # the full prefill computes it.
         pad = plan.pad
         if pad:
-            q = torch.cat([q.new_zeros((num_heads, pad, width)), q], 1)
-        out = _sdpa(q[None], k[None], v[None], None, True, scale)[0, :, pad:]
+            q = torch.cat([q.new_zeros((num_heads, pad, q.shape[-1])), q], 1)
+        put(0, n, _sdpa(q[None], k[None], v[None], None, True, scale)[0, :, pad:])
     else:
-        parts = []
-        for a, b, end, mask, fold in plan.blocks:
+        for a, b, end, mask in plan.blocks:
             kb, vb = k[None, :, :end], v[None, :, :end]
-            if fold:  # few rows: head h reads KV head h // group, no K/V copy per head
-                qg = q[:, a:b].reshape(num_kv, -1, width)
-                out_g = _sdpa(qg[None], kb, vb, mask, False, scale)[0]
-                parts.append(out_g.reshape(num_heads, -1, width))
-            else:
-                parts.append(_sdpa(q[None, :, a:b], kb, vb, mask, False, scale)[0])
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-    if onehot is None:
-        return out, None
-    return out[..., :head_dim], out[..., head_dim : head_dim + onehot.shape[1]].mean(0)
+            put(a, b, _sdpa(q[None, :, a:b], kb, vb, mask, False, scale)[0])
+    mass = None
+    if masses:
+        mass = masses[0] if len(masses) == 1 else torch.cat(masses)
+    return out.transpose(0, 1), mass
 
 
 def row_span_mass(

@@ -109,11 +109,11 @@ class _Rows:
                 else work.stats_rows.to(torch.bool).clone()
             )
 
-    def plan(self, window: int | None, num_heads: int, num_kv: int, dtype: torch.dtype) -> RowPlan:
+    def plan(self, window: int | None, dtype: torch.dtype) -> RowPlan:
         """The attention plan of the rows still computed: built on the first layer, again only
         after rows stopped (`positions` is then a new tensor)."""
         if self.attn_plan is None or self.attn_plan.q_pos is not self.positions:
-            self.attn_plan = plan_rows(self.positions, window, num_heads, num_kv, dtype)
+            self.attn_plan = plan_rows(self.positions, window, dtype)
         return self.attn_plan
 
     def add_key_mass(self, mass: torch.Tensor) -> None:
@@ -281,8 +281,7 @@ class LlamaModel:
             q = qk[start : start + n, :nh].transpose(0, 1)
             k = qk[start : start + n, nh:].transpose(0, 1)
             v = vals[start : start + n].transpose(0, 1)
-            out = self._attend(s, layer_idx, q, k, v)
-            attn[start : start + n] = out.transpose(0, 1).reshape(n, nh * hd)
+            self._attend(s, layer_idx, q, k, v, attn[start : start + n].view(n, nh, hd))
             start += n
         if dplan is not None:  # the decode rows: [B, H, D] queries, [B, Hkv, D] keys/values
             q, k, v = qk[start:, :nh], qk[start:, nh:], vals[start:]
@@ -339,9 +338,16 @@ class LlamaModel:
         return torch.zeros_like(s.index, dtype=torch.bool)
 
     def _attend(
-        self, s: _Rows, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Write the fresh (rotated) K/V at the rows' positions, attend; q [H,n,D] -> [H,n,D]."""
+        self,
+        s: _Rows,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Write the fresh (rotated) K/V at the rows' positions, attend: q [H, n, D], the
+        output into out [n, H, D]."""
         work, pos = s.work, s.positions
         kv_k, kv_v = work.kv.k[layer_idx], work.kv.v[layer_idx]
         hook = work.hooks.get(layer_idx)
@@ -367,12 +373,13 @@ class LlamaModel:
         if meter is not None and meter.first_layer <= layer_idx <= meter.last_layer:
             metered = pos >= meter.start
         if metered is not None and bool(metered.any()):
-            out, key_mass = attention_key_mass(q, keys, values, pos, window, metered)
+            res, key_mass = attention_key_mass(q, keys, values, pos, window, metered)
+            out.copy_(res.transpose(0, 1))
             s.add_key_mass(key_mass[: meter.start])
             mass = None
         else:
-            plan = s.plan(window, q.shape[0], keys.shape[0], q.dtype)
-            out, mass = causal_attention(q, keys, values, pos, window, onehot, plan)
+            plan = s.plan(window, q.dtype)
+            _, mass = causal_attention(q, keys, values, pos, window, onehot, plan, out)
         if mass is not None:
             sel = s.stats_rows
             self._collect(s, s.index[sel], layer_idx, mass[sel].float())
@@ -383,7 +390,6 @@ class LlamaModel:
                 stop = ~keep.to(torch.bool)
                 s.last_layer[stop] = layer_idx
                 s.final_last_layer[s.index[stop]] = layer_idx
-        return out
 
     @staticmethod
     def _collect(s: _Rows, index: torch.Tensor, layer_idx: int, mass: torch.Tensor) -> None:
