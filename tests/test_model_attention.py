@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from cachecraft.model.attention import (
     MAX_PAD_SHARE,
     ROW_BLOCK,
+    ROW_BLOCK_BF16,
     attention_key_mass,
     causal_attention,
+    plan_rows,
     row_span_mass,
     span_onehot,
 )
@@ -103,6 +105,21 @@ def test_rows_after_a_cached_prefix_equal_the_full_prefill_rows() -> None:
     full, _ = causal_attention(q, k, v, torch.arange(ctx), None)
     rows, _ = causal_attention(q[:, pad:], k, v, torch.arange(pad, ctx), None)
     assert torch.equal(rows, full[:, pad:])
+
+
+@pytest.mark.parametrize("case", ["row-blocks", "row-blocks-window"])
+def test_bfloat16_row_blocks_equal_brute_force(case: str) -> None:
+    """bf16 takes larger row blocks than fp32; the output is still the exact masked attention
+    (to bf16 rounding)."""
+    q_pos, window = CASES[case]
+    q, k, v = (x.to(torch.bfloat16) for x in _operands(q_pos, seed=2))
+    plan = plan_rows(q_pos, window, torch.bfloat16)
+    assert len(plan.blocks) == -(-len(q_pos) // ROW_BLOCK_BF16) > 1
+    assert len(plan.blocks) < len(plan_rows(q_pos, window, torch.float32).blocks)
+    out, _ = causal_attention(q, k, v, q_pos, window, None, plan)
+    ref, _ = _brute(q.float(), k.float(), v.float(), q_pos, window)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 @pytest.mark.parametrize("case", ["partial-few-rows", "suffix-long-prefix", "window", "decode"])

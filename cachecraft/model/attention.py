@@ -76,7 +76,13 @@ ROW_BLOCK = 64
 sees keys past its last position and reads K/V only up to there (on this CPU, splitting a
 544-row partial prefill over 1,300 keys into blocks of 128 cut its attention 34 -> 22 ms;
 blocks of 64 cut another 5-9% of CPU time on 541 scattered rows, and cost nothing on 1,270
-contiguous ones; 192 and 256 were slower)."""
+contiguous ones; 192 and 256 were slower). That is float32's."""
+
+ROW_BLOCK_BF16 = 256
+"""bfloat16's rows per SDPA call: its kernel does the arithmetic ~2.5x faster, so a call's
+fixed cost weighs more (340 scattered rows over 900 keys, two threads: blocks of 64 took
+1.61-1.68 ms, 128 1.25-1.28, 256 1.22-1.23, all rows in one call 1.32-1.36; float32 at 64
+2.66-2.72 and at 256 3.21-3.22 ms)."""
 
 
 MAX_PAD_SHARE = 8
@@ -110,7 +116,7 @@ def plan_rows(q_pos: torch.Tensor, window: int | None, dtype: torch.dtype) -> Ro
     )
     if causal:
         return RowPlan(q_pos, pad, True, ())
-    num_blocks = -(-n // ROW_BLOCK)
+    num_blocks = -(-n // (ROW_BLOCK_BF16 if dtype == torch.bfloat16 else ROW_BLOCK))
     cuts = [round(i * n / num_blocks) for i in range(num_blocks + 1)]
     blocks = []
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
