@@ -345,8 +345,8 @@ def run_serve_bench(
     included; `max_throughput_run` names the run) and its computed prompt tokens/s there;
     latencies at `common_rate`, the highest rate every system sustained. `ignore_eos` makes every mode
     generate exactly `max_tokens`, so latencies compare prefill work, not answer lengths.
-    `peer_server` replaces the vLLM launcher (tests). `dtype` is vLLM's (our servers are
-    started in theirs by `start_server`)."""
+    `peer_server` replaces the vLLM launcher (tests). `dtype` is vLLM's (our servers take theirs
+    from `server_factory`: `cachecraft bench serve --dtype` passes the same to both)."""
     if not rates or any(r <= 0 for r in rates):
         raise CachecraftError(f"rates must be positive, got {list(rates)}")
     if max_runs < 1:

@@ -13,11 +13,6 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Rope:
     """cos/sin tables for positions, computed in fp32 from the model's inv_freq."""
 
@@ -65,7 +60,6 @@ class Rope:
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inverse of `rotate`: x [..., n, head_dim] rotated at `positions` -> before RoPE."""
-        cos, sin = self.cos_sin(positions, torch.float32)
-        xf = x.to(torch.float32)
-        out = (xf * cos - _rotate_half(xf) * sin) / (self.scaling * self.scaling)
+        cos, sin = self.cos_sin(positions, torch.float32)  # rotating by -angle: sin negated
+        out = self.apply(x.to(torch.float32), cos, sin.neg_()).div_(self.scaling * self.scaling)
         return out.to(x.dtype)
