@@ -331,6 +331,17 @@ def test_shared_warmup_gives_every_arm_the_same_warm_store(tiny: LoadedModel) ->
     assert len(hits) == len(items) - 2 and max(hits) > 0
 
 
+def test_shared_warmup_measures_each_arms_layers(tiny: LoadedModel) -> None:
+    from cachecraft.bench.quality import build_arms, run_arms
+
+    arms = build_arms(["cachecraft", "cachecraft-stats-all"], match_budget=False)
+    out = run_arms(tiny, _items(), arms, warmup=2, max_tokens=2, progress=False, shared_warmup=True)
+    for name, layers in (("cachecraft", {(1,)}), ("cachecraft-stats-all", {()})):
+        store = out[name][1]
+        metas = [store.load(v).meta for v in store.variant_ids()]
+        assert metas and {m.stats_layers for m in metas} == layers  # 4 layers: stride 3 -> (1,)
+
+
 def test_int8_disk_store_changes_reuse_fidelity(tiny: LoadedModel, tmp_path: Path) -> None:
     from cachecraft.bench.quality import build_arms, run_arms
     from cachecraft.store.config import StoreConfig

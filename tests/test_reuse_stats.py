@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -13,7 +14,9 @@ from cachecraft.reuse.stats import (
     cci,
     order_penalty,
     prefix_overlap,
+    stats_layers,
 )
+from cachecraft.store.codec import meta_from_json, meta_to_json
 from cachecraft.store.meta import VariantMeta
 
 
@@ -179,3 +182,50 @@ def test_top_tokens_bounds() -> None:
     assert top_tokens([0.3, 0.2], 0) == ()
     assert top_tokens([0.3, 0.2], 5) == (0, 1)
     assert top_tokens([], 3) == ()
+
+
+# --- statistics at a subset of layers ----------------------------------------------------------
+
+
+def test_stats_layers_take_the_middle_of_every_run() -> None:
+    assert stats_layers(1, 4) == (0, 1, 2, 3)
+    assert stats_layers(3, 30) == tuple(range(1, 30, 3))
+    assert stats_layers(2, 5) == (1, 3)
+    assert stats_layers(100, 30) == (14,)  # a stride longer than the model: its middle layer
+    assert stats_layers(3, 1) == (0,)
+    with pytest.raises(ValueError):
+        stats_layers(0, 4)
+    with pytest.raises(ValueError):
+        ReuseConfig(stats_stride=0)
+
+
+def _layered(stats: tuple[int, ...], width: int) -> VariantMeta:
+    return VariantMeta(
+        chunk_key="K",
+        prefix_key="P",
+        s_old=("A",),
+        s_old_sizes=(4,),
+        num_tokens=2,
+        num_layers=4,
+        inter=(tuple(0.1 * (k + 1) for k in range(width)),),
+        intra=tuple(1.0 for _ in range(width)),
+        token_scores=(0.0, 0.0),
+        cci=0.7,
+        stats_layers=stats,
+    )
+
+
+def test_meta_holds_one_value_per_measured_layer() -> None:
+    assert _layered((1, 3), 2).inter_total() == pytest.approx((0.3,))
+    assert _layered((), 4).stats_layers == ()  # every layer
+    for stats, width in (((1, 3), 4), ((), 2), ((3, 1), 2), ((1, 1), 2), ((2, 4), 2)):
+        with pytest.raises(ValueError):
+            _layered(stats, width)
+
+
+def test_meta_json_keeps_stats_layers_and_reads_older_metadata() -> None:
+    m = _layered((1, 3), 2)
+    assert meta_from_json(meta_to_json(m)) == m
+    old = json.loads(meta_to_json(_layered((), 4)))
+    del old["stats_layers"]  # metadata written before the field: every layer was measured
+    assert meta_from_json(json.dumps(old)).stats_layers == ()

@@ -1,5 +1,6 @@
-"""Who pays for attention statistics: only chunks the store would admit, never `full`/`prefix`;
-new variants are assembled after the first token, at commit."""
+"""Who pays for attention statistics: only chunks the store would admit, never `full`/`prefix`,
+only at the layers ReuseConfig.stats_stride picks; new variants are assembled after the first
+token, at commit."""
 
 from __future__ import annotations
 
@@ -89,3 +90,27 @@ def test_the_runner_follows_the_plans_measure_stats_not_its_mode(tiny_dir: Path)
     outcome = runner.finish(job, result)
     runner.commit(outcome)  # placeholder statistics, as prefix mode stores them
     assert len(outcome.variants) == 2 and all(v.meta.cci == 1.0 for v in outcome.variants)
+
+
+def test_statistics_at_a_subset_of_layers_are_those_layers_of_the_full_measure(
+    tiny_dir: Path,
+) -> None:
+    variants = {}
+    for stride in (1, 2):
+        llm = LLM(str(tiny_dir), stats_stride=stride)
+        job, result, outcome = _prefill(llm.runner, "cachecraft")
+        measured = result.span_mass_layers.abs().sum((1, 2)) > 0
+        assert measured.nonzero().flatten().tolist() == list(llm.runner.stats_layers)
+        llm.runner.commit(outcome)
+        variants[stride] = {v.meta.chunk_key: v.meta for v in outcome.variants}
+    assert set(variants[1]) == set(variants[2]) and len(variants[1]) == 2
+    for key, every in variants[1].items():
+        sub = variants[2][key]
+        assert every.stats_layers == () and sub.stats_layers == (1, 3)  # 4 layers, stride 2
+        assert sub.num_layers == every.num_layers == 4
+        assert sub.intra == tuple(every.intra[layer] for layer in (1, 3))
+        for a, b in zip(every.inter, sub.inter, strict=True):
+            assert b == tuple(a[layer] for layer in (1, 3))
+    assert variants[2][next(iter(variants[2]))].s_old == ()
+    second = [m for m in variants[2].values() if m.s_old]
+    assert second and all(0.5 < m.cci <= 1.0 for m in second)

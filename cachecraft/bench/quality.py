@@ -77,6 +77,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-no-order": {"use_order_penalty": False},
     "cachecraft-one-variant": {"max_variants_per_chunk": 1},
     "cachecraft-empty-paper": {"empty_s_old": "paper"},
+    "cachecraft-stats-all": {"stats_stride": 1},
     "cacheblend-global": {"cacheblend_global": True},
 }
 """Arm name -> ReuseConfig changes. cachecraft-*: one choice of the default changed each;
@@ -314,6 +315,37 @@ def _arm_store(arm: Arm, index: int, nbytes: int, config: StoreConfig | None) ->
     return make_store(replace(config, cache_dir=where, max_variants_per_chunk=cap))
 
 
+def _shared_warmup(
+    loaded: LoadedModel,
+    items: Sequence[WorkloadItem],
+    runs: Sequence[_ArmRun],
+    store_bytes: int,
+    bar: tqdm,
+) -> None:
+    """Compute every chunk of `items` in full in its context once and offer the variants to
+    every run; once per statistics stride among the runs (it changes what the metadata hold)."""
+    strides = sorted({run.arm.config.stats_stride for run in runs})
+    for n, stride in enumerate(strides):
+        seed = LLM(
+            loaded,
+            store=MemoryStore(store_bytes, StoreConfig().max_variants_per_chunk),
+            config=ReuseConfig(stats_stride=stride),
+            engine=ONE_AT_A_TIME,
+        )
+        for item in items:
+            bar.set_postfix_str("shared warm-up")
+            seed.warm(item.request)
+            if n == 0:
+                bar.update()
+        for run in runs:
+            if run.arm.config.stats_stride != stride:
+                continue
+            for variant_id in seed.store.variant_ids():
+                variant = seed.store.load(variant_id)
+                if variant is not None:
+                    run.llm.store.offer(variant)
+
+
 def run_arms(
     loaded: LoadedModel,
     items: Sequence[WorkloadItem],
@@ -354,17 +386,7 @@ def run_arms(
     bar = tqdm(total=len(items), desc="bench quality", file=sys.stderr, disable=not progress)
     with torch.inference_mode(), bar:
         if shared_warmup and warmup:
-            seed_store = MemoryStore(store_bytes, arms[0].max_variants_per_chunk)
-            seed = LLM(loaded, store=seed_store, engine=ONE_AT_A_TIME)
-            for item in items[:warmup]:
-                bar.set_postfix_str("shared warm-up")
-                seed.warm(item.request)  # every chunk in full in its context
-                bar.update()
-            for run in runs[1:]:
-                for variant_id in seed.store.variant_ids():
-                    variant = seed.store.load(variant_id)
-                    if variant is not None:
-                        run.llm.store.offer(variant)
+            _shared_warmup(loaded, items[:warmup], runs[1:], store_bytes, bar)
         for i, item in enumerate(items):
             if shared_warmup and i < warmup:
                 continue

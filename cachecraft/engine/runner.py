@@ -34,6 +34,7 @@ from cachecraft.request import RagRequest
 from cachecraft.reuse.layout import PromptLayout, build_layout
 from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
 from cachecraft.reuse.planner import as_miss, plan_request, resolve_probe, without_prefix_hit
+from cachecraft.reuse.stats import stats_layers
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.codec import CorruptVariantError
 from cachecraft.store.meta import VariantMeta
@@ -103,6 +104,7 @@ class Runner:
         self.reuse = reuse or ReuseConfig()
         self.prefix_cache = PrefixCache() if prefix_cache is None else prefix_cache
         self.storage_dtype = DTYPES[store.storage_dtype]
+        self.stats_layers = stats_layers(self.reuse.stats_stride, loaded.arch.num_layers)
 
     # ---- planning -------------------------------------------------------------------------
     def plan(
@@ -256,6 +258,7 @@ class Runner:
             selected |= (job.rows >= cp.slot.start) & (job.rows < cp.slot.end)
         job.work.span_bounds = torch.tensor(bounds, dtype=torch.long)
         job.work.stats_rows = selected
+        job.work.stats_layers = self.stats_layers
 
     def _add_hooks(self, job: PrefillJob) -> None:
         plan, layout = job.plan, job.plan.layout
@@ -351,7 +354,14 @@ class Runner:
             )
         else:
             outcome.variants = make_variants(
-                plan, job.rows, job.kv, result, rope, self.storage_dtype, job.stat_chunks
+                plan,
+                job.rows,
+                job.kv,
+                result,
+                rope,
+                self.storage_dtype,
+                job.stat_chunks,
+                layers=self.stats_layers,
             )
         if not plan.prefix_hit:
             p = plan.layout.prefix_len

@@ -29,10 +29,11 @@ def make_variants(
     storage_dtype: torch.dtype,
     chunks: Collection[int],
     measured: bool = True,
+    layers: tuple[int, ...] | None = None,
 ) -> list[Variant]:
     """One variant per chunk index in `chunks` (each computed in full). Spans: 0 = prefix,
     i + 1 = chunk i, last = question; `rows` [n] are the computed positions behind
-    result.row_span_mass.
+    result.row_span_mass; `layers`: the layers the statistics were measured at (None: all).
 
     measured=False (`prefix` mode, which reuses only exact variants and so never reads their
     statistics): no statistics were collected; the metadata is the conservative "unmeasured"
@@ -42,7 +43,12 @@ def make_variants(
         return []
     layout = plan.layout
     num_layers = kv.k.shape[0]
-    span_mass = result.span_mass_layers.tolist() if measured else None  # [L][S][S]
+    every = tuple(range(num_layers))
+    layers = every if layers is None else tuple(layers)
+    span_mass = None  # [measured layers][S][S]
+    if measured:
+        span_mass = [result.span_mass_layers[layer].tolist() for layer in layers]
+    stats_layers = () if layers == every or not measured else layers  # (): every layer
     out = []
     for i, cp in enumerate(plan.chunks):
         if cp.variant is not None or i not in chunks:
@@ -73,12 +79,13 @@ def make_variants(
             s_old=tuple(c.slot.key for c in earlier),
             s_old_sizes=sizes,
             num_tokens=n,
-            num_layers=len(intra),
+            num_layers=num_layers,
             inter=inter,
             intra=intra,
             token_scores=token_scores,
             cci=impact,
             is_exact=cp.is_exact,
+            stats_layers=stats_layers,
         )
         out.append(Variant(meta, keys, values))
     return out

@@ -108,6 +108,11 @@ class _Rows:
                 if work.stats_rows is None
                 else work.stats_rows.to(torch.bool).clone()
             )
+            self.stats_at = (
+                frozenset(range(num_layers))
+                if work.stats_layers is None
+                else frozenset(work.stats_layers)
+            )
 
     def plan(self, window: int | None, dtype: torch.dtype) -> RowPlan:
         """The attention plan of the rows still computed: built on the first layer, again only
@@ -366,7 +371,9 @@ class LlamaModel:
             keys = keys.contiguous()  # (~0.1 ms per layer at 800 positions) beats SDPA on them
         values = kv_v[:, : last + 1].to(q.dtype)
         window = self.arch.sliding_window
-        wants_stats = work.span_bounds is not None and bool(s.stats_rows.any())
+        wants_stats = (
+            work.span_bounds is not None and layer_idx in s.stats_at and bool(s.stats_rows.any())
+        )
         onehot = s.onehot if wants_stats else None
         meter = work.meter
         metered = None

@@ -62,7 +62,8 @@ class SeqWork:
     for every layer the row is not computed at.
     last_layer [n]: stop computing a row after this layer (None: all layers).
     span_bounds [S, 2]: if given, collect attention mass per span (see SeqResult) for the rows
-    selected by stats_rows (bool [n]; None: all rows). Only those rows pay for explicit scores.
+    selected by stats_rows (bool [n]; None: all rows), at the layers in stats_layers (None:
+    every layer). Only those rows at those layers pay for the statistics.
     hooks: layer -> Hook; hooks_need_old: also pass the K/V the write replaced.
     meter: measure the attention some rows give each key (see KeyMeter; those layers run
     their attention with explicit scores).
@@ -77,6 +78,7 @@ class SeqWork:
     last_layer: torch.Tensor | None = None
     span_bounds: torch.Tensor | None = None
     stats_rows: torch.Tensor | None = None
+    stats_layers: tuple[int, ...] | None = None
     hooks: dict[int, Hook] = field(default_factory=dict)
     hooks_need_old: bool = False
     before_layer: Callable[[int], None] | None = None
@@ -90,7 +92,8 @@ class SeqResult:
 
     rows_last_layer [n]: the layer each row was last computed at (after hooks).
     span_mass_layers [L, S, S]: row-summed mass from each span's computed rows to each span.
-    row_span_mass [n, S]: per row, mass per span averaged over the layers it was computed at.
+    row_span_mass [n, S]: per row, mass per span averaged over the measured layers it was
+    computed at.
     key_mass [meter.start]: what the work's KeyMeter measured (None without one).
     """
 
@@ -139,6 +142,7 @@ def piece(work: SeqWork, start: int, end: int) -> SeqWork:
         work.positions[start:end],
         span_bounds=work.span_bounds,
         stats_rows=None if work.stats_rows is None else work.stats_rows[start:end],
+        stats_layers=work.stats_layers,
         before_layer=work.before_layer if start == 0 else None,
         logits_for=work.logits_for if end == n else "none",
     )

@@ -52,6 +52,15 @@ def cci(
     return _sigmoid(abar / bbar)
 
 
+def stats_layers(stride: int, num_layers: int) -> tuple[int, ...]:
+    """The layers a variant's statistics are measured at: the middle layer of every run of
+    `stride` (stride // 2, stride // 2 + stride, ...; the middle one when stride spans them
+    all); stride 1: every layer."""
+    if stride < 1 or num_layers < 1:
+        raise ValueError(f"need stride >= 1 and num_layers >= 1, got {stride}, {num_layers}")
+    return tuple(range(min(stride // 2, (num_layers - 1) // 2), num_layers, stride))
+
+
 def prefix_overlap(meta: VariantMeta, s_new: Sequence[str], empty_rule: EmptyRule) -> float:
     """beta: share of the variant's layer-summed inter mass whose source chunk is still in s_new.
 

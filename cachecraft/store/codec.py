@@ -63,6 +63,7 @@ def meta_from_json(text: str) -> VariantMeta:
         token_scores=tuple(d["token_scores"]),
         cci=d["cci"],
         is_exact=bool(d.get("is_exact", False)),
+        stats_layers=tuple(d.get("stats_layers", ())),
     )
 
 

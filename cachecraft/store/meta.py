@@ -28,10 +28,14 @@ def variant_id_of(
 class VariantMeta:
     """What was measured when a chunk was prefilled in full after `s_old`.
 
-    inter[j][l]: head-averaged attention mass, summed over this chunk's tokens, that layer l put
-                 on the tokens of s_old[j] (the system prefix is never in s_old).
-    intra[l]:    the same mass on the chunk's own tokens (causal, m <= k).
-    token_scores[t]: per token, mean over layers of its mass on all s_old chunks (ranks recompute).
+    inter[j][k]: head-averaged attention mass, summed over this chunk's tokens, that the k-th
+                 measured layer put on the tokens of s_old[j] (the system prefix is never in
+                 s_old).
+    intra[k]:    the same mass on the chunk's own tokens (causal, m <= k).
+    stats_layers: the layers measured, ascending (inter and intra hold one value per entry);
+                 () for every layer 0..num_layers-1 (and for metadata stored before the field).
+    token_scores[t]: per token, mean over the measured layers of its mass on all s_old chunks
+                 (ranks recompute in `cachecraft-paper`).
     cci:         Cache Context Impact, in [0.5, 1).
     prefix_key:  hash of the system-prefix token ids it was computed after.
     is_exact:    its K/V equal a full prefill of [prefix, s_old..., chunk]: it was computed in
@@ -51,13 +55,14 @@ class VariantMeta:
     token_scores: tuple[float, ...]
     cci: float
     is_exact: bool = False
+    stats_layers: tuple[int, ...] = ()
 
     @property
     def variant_id(self) -> str:
         return variant_id_of(self.chunk_key, self.prefix_key, self.s_old, self.is_exact)
 
     def inter_total(self) -> tuple[float, ...]:
-        """inter summed over layers, one value per chunk of s_old."""
+        """inter summed over the measured layers, one value per chunk of s_old."""
         return tuple(sum(per_layer) for per_layer in self.inter)
 
     def __post_init__(self) -> None:
@@ -65,5 +70,10 @@ class VariantMeta:
             raise ValueError("inter and s_old_sizes need one entry per chunk of s_old")
         if len(self.token_scores) != self.num_tokens:
             raise ValueError("token_scores needs one score per token")
-        if len(self.intra) != self.num_layers:
-            raise ValueError("intra needs one value per layer")
+        layers = self.stats_layers
+        ascending = list(layers) == sorted(set(layers))
+        if layers and not (ascending and layers[0] >= 0 and layers[-1] < self.num_layers):
+            raise ValueError(f"stats_layers must ascend within 0..{self.num_layers - 1}")
+        width = len(layers) if layers else self.num_layers
+        if len(self.intra) != width or any(len(r) != width for r in self.inter):
+            raise ValueError("inter and intra need one value per measured layer")
