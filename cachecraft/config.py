@@ -99,9 +99,9 @@ class ReuseConfig:
     stats_stride: int = 3
     """A chunk computed in full to become a variant has its attention statistics (inter,
     intra, token scores) measured at every stats_stride-th layer, the middle one of each run
-    (layers s // 2, s // 2 + s, ...); 1: every layer. The statistics cost a miss's prefill
-    ~4% at every layer, ~1% at a third of them, and a third changed CCI by 0.01-0.02 and
-    budgets by <1% of a chunk's tokens on wiki-qa and synthetic variants."""
+    (layers s // 2, s // 2 + s, ...); 1: every layer (ablation `cachecraft-stats-all`). They
+    cost a miss's prefill ~4-5% at every layer and ~1-2% at a third of them; a third moved CCI
+    by 0.01-0.02 and budgets by <0.5% of a chunk's tokens (docs/algorithm.md §2)."""
 
     def __post_init__(self) -> None:
         """Types and ranges, so a bad config file or keyword is one clear ValueError at
