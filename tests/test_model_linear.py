@@ -1,5 +1,6 @@
-"""Linear layers through oneDNN-packed weights equal F.linear; a model with packed weights
-answers as one with plain weights (greedy tokens, logits within 1e-4)."""
+"""Linear layers through oneDNN-packed weights equal F.linear; the MLP block equals its
+definition in both its forms; a model with packed weights answers as one with plain weights
+(greedy tokens, logits within 1e-4)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from cachecraft.model.kv import KVCache
 from cachecraft.model.linear import PACKED_BF16_MAX_ROWS, PLAIN_MAX_ROWS, Linear, can_pack
 from cachecraft.model.llama import LlamaModel
 from cachecraft.model.loader import LoadedModel
+from cachecraft.model.mlp import FUSED_MIN_ROWS, Mlp
 from cachecraft.model.step import SeqWork
 
 needs_onednn = pytest.mark.skipif(
@@ -73,6 +75,25 @@ def test_bf16_packs_for_small_products_and_keeps_plain_for_long_ones() -> None:
     assert not _ran_packed(lin, x)  # a long one: the plain weight
     fp32 = Linear(weight.float(), None, pack=True, keep_plain=True)  # fp32: the other way
     assert not _ran_packed(fp32, x[:1].float()) and _ran_packed(fp32, x.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp_equals_its_definition(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(2 * 48, 40, generator=g) * 0.2
+    down = torch.randn(40, 48, generator=g) * 0.2
+    pack = can_pack(dtype, torch.device("cpu"))
+    mlp = Mlp(gate_up.to(dtype), down.to(dtype), pack, keep_plain=True)
+    # bf16 fuses SiLU, the product and the residual into oneDNN's GEMMs wherever it packs
+    assert (mlp.fused is not None) == (pack and dtype == torch.bfloat16)
+    tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+    for n in (1, 3, FUSED_MIN_ROWS, 300):  # below FUSED_MIN_ROWS: the first form
+        x = torch.randn(n, 40, generator=g).to(dtype)
+        h = torch.randn(n, 40, generator=g).to(dtype)
+        gate, up = (x.float() @ gate_up.to(dtype).float().T).chunk(2, dim=-1)
+        want = h.float() + (F.silu(gate) * up) @ down.to(dtype).float().T
+        got = mlp(x, h.clone()).float()
+        assert (got - want).abs().max() <= tol * want.abs().max()
 
 
 def test_plain_linear_when_not_packed() -> None:

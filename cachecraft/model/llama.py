@@ -26,6 +26,7 @@ from cachecraft.model.attention import (
 )
 from cachecraft.model.decode import DecodePlan, attend_decode, plan_decode
 from cachecraft.model.linear import Linear, can_pack
+from cachecraft.model.mlp import Mlp
 from cachecraft.model.rope import Rope
 from cachecraft.model.step import DecodeBatch, LayerView, SeqResult, SeqWork, StepOutput
 
@@ -37,13 +38,13 @@ model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B model's 26 GiB."""
 
 class LayerWeights(NamedTuple):
     """A layer's products. The two RMSNorm weights are folded into the products that read
-    their output (W diag(w): qkv carries input_layernorm's, gate_up post_attention_layernorm's),
+    their output (W diag(w): qkv carries input_layernorm's, the MLP's gate and up
+    post_attention_layernorm's),
     so a layer's norms are `_normalize` alone: one pass over the rows less each."""
 
     qkv: Linear  # [(H + 2 Hkv) D, hidden] (+ bias for Qwen2)
     o: Linear  # [hidden, H D]
-    gate_up: Linear  # [2 I, hidden]
-    down: Linear  # [hidden, I]
+    mlp: Mlp  # gate and up [2 I, hidden], down [hidden, I]
 
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -188,8 +189,7 @@ class LlamaModel:
                 LayerWeights(
                     qkv=Linear(qkv, bias, pack, plain),
                     o=Linear(get(att + "o_proj.weight"), None, pack, plain),
-                    gate_up=Linear(gate_up, None, pack, plain),
-                    down=Linear(get(p + "mlp.down_proj.weight"), None, pack, plain),
+                    mlp=Mlp(gate_up, get(p + "mlp.down_proj.weight"), pack, plain),
                 )
             )
 
@@ -303,12 +303,8 @@ class LlamaModel:
     def _mlp(self, h: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The rest of a layer after attention: o-proj, residual, norm, MLP, residual."""
         h = h + w.o(attn)
-        x = _normalize(h, self.arch.rms_norm_eps)  # post_attention_layernorm's is in gate_up
-        gate, up = w.gate_up(x).chunk(2, dim=-1)
-        # The SiLU out of place: `gate` is a strided half of the product, and an in-place
-        # SiLU on it computes a copy and writes it back (one more pass over [n, I]). The
-        # product and the residual in place (on the SiLU's output and on the h made above).
-        return h.add_(w.down(F.silu(gate).mul_(up)))
+        x = _normalize(h, self.arch.rms_norm_eps)  # post_attention_layernorm's is in the MLP
+        return w.mlp(x, h)
 
     def _going_on(self, states: list[_Rows], layer_idx: int, num_rows: int) -> torch.Tensor | None:
         """Indexes into this layer's rows of those whose output of this layer is read: rows
