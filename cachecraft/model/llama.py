@@ -38,9 +38,9 @@ model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B model's 26 GiB."""
 
 class LayerWeights(NamedTuple):
     """A layer's products. The two RMSNorm weights are folded into the products that read
-    their output (W diag(w): qkv carries input_layernorm's, the MLP's gate and up
-    post_attention_layernorm's),
-    so a layer's norms are `_normalize` alone: one pass over the rows less each."""
+    their output (W diag(w): qkv carries input_layernorm's, the MLP's gate and up carry
+    post_attention_layernorm's), so a layer's norms are `_normalize` alone: one pass over the
+    rows less each."""
 
     qkv: Linear  # [(H + 2 Hkv) D, hidden] (+ bias for Qwen2)
     o: Linear  # [hidden, H D]
