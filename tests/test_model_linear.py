@@ -86,14 +86,18 @@ def test_mlp_equals_its_definition(dtype: torch.dtype) -> None:
     mlp = Mlp(gate_up.to(dtype), down.to(dtype), pack, keep_plain=True)
     # bf16 fuses SiLU, the product and the residual into oneDNN's GEMMs wherever it packs
     assert (mlp.fused is not None) == (pack and dtype == torch.bfloat16)
+    # without plain copies (a large model) the fused form serves every product, no second copy
+    lean = Mlp(gate_up.to(dtype), down.to(dtype), pack, keep_plain=False)
+    assert (lean.gate_up is None) == (lean.fused is not None)
     tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
-    for n in (1, 3, FUSED_MIN_ROWS, 300):  # below FUSED_MIN_ROWS: the first form
+    for n in (1, 3, FUSED_MIN_ROWS, 300):  # below FUSED_MIN_ROWS: the first form in `mlp`
         x = torch.randn(n, 40, generator=g).to(dtype)
         h = torch.randn(n, 40, generator=g).to(dtype)
         gate, up = (x.float() @ gate_up.to(dtype).float().T).chunk(2, dim=-1)
         want = h.float() + (F.silu(gate) * up) @ down.to(dtype).float().T
-        got = mlp(x, h.clone()).float()
-        assert (got - want).abs().max() <= tol * want.abs().max()
+        for m in (mlp, lean):
+            got = m(x, h.clone()).float()
+            assert (got - want).abs().max() <= tol * want.abs().max()
 
 
 def test_plain_linear_when_not_packed() -> None:

@@ -35,17 +35,25 @@ from 16 rows on the fused form is faster."""
 class Mlp:
     """`mlp(x, h)` = h + down(SiLU(gate x) * up x) for x, h [n, hidden]; gate_up [2 I, hidden]
     (gate's rows, then up's), down [hidden, I]. `fused` holds the three oneDNN-packed
-    weights when the bfloat16 post-op form is in use (from FUSED_MIN_ROWS rows on)."""
+    weights when the bfloat16 post-op form is in use, from `fused_from` rows on
+    (FUSED_MIN_ROWS; 0 when the model keeps no plain weights: no second copy for short
+    products then)."""
 
-    __slots__ = ("down", "fused", "gate_up")
+    __slots__ = ("down", "fused", "fused_from", "gate_up")
 
     def __init__(
         self, gate_up: torch.Tensor, down: torch.Tensor, pack: bool, keep_plain: bool
     ) -> None:
         """pack, keep_plain: as `Linear`'s (pack only where oneDNN runs this dtype)."""
         self.fused = _fuse(gate_up, down) if pack and gate_up.dtype == torch.bfloat16 else None
-        # Fused, fewer rows than FUSED_MIN_ROWS still take the first form (packed weights
-        # only: the long products that read plain bf16 weights are all fused).
+        self.fused_from = FUSED_MIN_ROWS
+        self.gate_up: Linear | None = None
+        self.down: Linear | None = None
+        if self.fused is not None and not keep_plain:
+            self.fused_from = 0  # a model too large for second copies: fused for every product
+            return
+        # Fused, the short products keep the first form over packed weights only (the long
+        # ones that read plain bf16 weights are all fused): as much memory as packed + plain.
         keep_plain = keep_plain and self.fused is None
         self.gate_up = Linear(gate_up, None, pack, keep_plain)
         self.down = Linear(down, None, pack, keep_plain)
@@ -53,8 +61,9 @@ class Mlp:
     def __call__(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h + MLP(x); the first form adds into h in place, the fused one returns a new
         tensor. x and h must be contiguous."""
-        if self.fused is not None and x.shape[0] >= FUSED_MIN_ROWS:
+        if self.fused is not None and x.shape[0] >= self.fused_from:
             return _fused_call(x, h, *self.fused)
+        assert self.gate_up is not None and self.down is not None
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         # The SiLU out of place: `gate` is a strided half of the product, and an in-place
         # SiLU on it computes a copy and writes it back (one more pass over [n, I]).
