@@ -61,5 +61,6 @@ class Rope:
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inverse of `rotate`: x [..., n, head_dim] rotated at `positions` -> before RoPE."""
         cos, sin = self.cos_sin(positions, torch.float32)  # rotating by -angle: sin negated
-        out = self.apply(x.to(torch.float32), cos, sin.neg_()).div_(self.scaling * self.scaling)
+        square = self.scaling * self.scaling  # the tables carry scaling: divide them, not x
+        out = self.apply(x.to(torch.float32), cos.div_(square), sin.div_(-square))
         return out.to(x.dtype)
