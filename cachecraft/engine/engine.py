@@ -102,7 +102,8 @@ class _Live:
     stops: frozenset[int] = field(default_factory=frozenset)
     outcome: PrefillOutcome | None = None
     layout: PromptLayout | None = None
-    """Tokenized before submit (off the step thread); None: tokenized when planned."""
+    """Tokenized before submit (off the step thread), else by the first plan; every later
+    plan reuses it."""
     options: RequestOptions | None = None
     extras: RequestExtras | None = None
     kv: KVCache | None = None
@@ -523,7 +524,7 @@ class Engine:
         except Exception as e:
             live.handle.push(Failed(e))
             return
-        layout = plan.layout
+        layout = live.layout = plan.layout  # tokenized once: `_splice` plans again with it
         max_ctx = self.runner.loaded.arch.max_position_embeddings
         # n output tokens need n - 1 fed back in: positions up to num_tokens + n - 2 < max_ctx.
         max_tokens = min(live.sampling.max_tokens, max_ctx - layout.num_tokens + 1)

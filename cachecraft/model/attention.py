@@ -232,6 +232,32 @@ def span_mass(
     return row_span_mass(q, k, q_pos, bounds, window).mean(0)
 
 
+@dataclass(frozen=True, slots=True)
+class MeterPlan:
+    """What `attention_key_mass` needs of a step's rows, independent of the layer:
+    the additive mask bias [1, group * n, ctx] (the query heads of a KV group as rows, as the
+    scores are laid out) and per such row the weight of its probabilities in the key mass,
+    weights [group * n] (1 / (H x metered rows) for a metered row, else 0). Built once per
+    forward step: per layer, mask building and a boolean gather of the metered rows' scores
+    cost as much as the scores themselves (35 rows over 770 keys: 1.9 -> 0.8 ms per layer)."""
+
+    bias: torch.Tensor
+    weights: torch.Tensor
+
+
+def plan_meter(
+    q_pos: torch.Tensor, window: int | None, num_heads: int, num_kv: int, meter_rows: torch.Tensor
+) -> MeterPlan:
+    """The MeterPlan of sorted positions q_pos [n] (keys 0..q_pos[-1]) whose rows
+    `meter_rows` (bool [n], at least one) report key mass."""
+    group = num_heads // num_kv
+    allowed = _mask(q_pos, int(q_pos[-1]) + 1, window)
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q_pos.device)
+    bias.masked_fill_(~allowed, float("-inf"))
+    weights = meter_rows.to(torch.float32) / (num_heads * int(meter_rows.sum()))
+    return MeterPlan(bias.repeat(group, 1)[None], weights.repeat(group))
+
+
 def attention_key_mass(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -239,23 +265,23 @@ def attention_key_mass(
     q_pos: torch.Tensor,
     window: int | None,
     meter_rows: torch.Tensor,
+    plan: MeterPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with explicit scores, for the few rows of a probe: q [H, n, D] at sorted
     positions q_pos [n]; k, v [Hkv, ctx, D] with ctx = q_pos[-1] + 1; meter_rows bool [n].
+    `plan`: `plan_meter` of the same rows (built here when None).
 
     Returns (out [H, n, D], mass [ctx]): the output as `causal_attention` gives it (to float
     rounding), and per key position the attention probability the selected rows give it
     (mean over heads and those rows). One score matrix serves both, so the probe pays for
     its scores once rather than for SDPA and the scores beside it."""
     num_heads, n, head_dim = q.shape
-    num_kv, ctx = k.shape[0], k.shape[1]
-    group = num_heads // num_kv
-    qg = q.reshape(num_kv, group * n, head_dim)  # the query heads of a KV group as rows
-    allowed = _mask(q_pos, ctx, window).repeat(group, 1)  # [group * n, ctx]
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device)
-    bias.masked_fill_(~allowed, float("-inf"))
-    scores = torch.baddbmm(bias[None], qg.float(), k.float().transpose(1, 2), alpha=head_dim**-0.5)
+    num_kv = k.shape[0]
+    if plan is None:
+        plan = plan_meter(q_pos, window, num_heads, num_kv, meter_rows)
+    qg = q.reshape(num_kv, -1, head_dim)  # the query heads of a KV group as rows
+    scores = torch.baddbmm(plan.bias, qg.float(), k.float().transpose(1, 2), alpha=head_dim**-0.5)
     probs = torch.softmax(scores, dim=-1)  # [Hkv, group * n, ctx]
     out = torch.bmm(probs.to(v.dtype), v).view(num_heads, n, head_dim)
-    mass = probs.view(num_heads, n, ctx)[:, meter_rows].mean((0, 1))
+    mass = torch.matmul(plan.weights, probs).sum(0)  # weighted row sums: no gather of rows
     return out, mass

@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.arch import ModelArch
 from cachecraft.model.attention import (
+    MeterPlan,
     RowPlan,
     attention_key_mass,
     causal_attention,
+    plan_meter,
     plan_rows,
     span_onehot,
 )
@@ -89,6 +91,9 @@ class _Rows:
         )
         self.final_last_layer = self.last_layer.clone()
         self.attn_plan: RowPlan | None = None  # for the current `positions` (see `plan`)
+        self.meter_at: torch.Tensor | None = None  # the `positions` of these two (`metered`)
+        self.meter_rows: torch.Tensor | None = None
+        self.meter_plan: MeterPlan | None = None
         self.mass_layers: torch.Tensor | None = None
         self.mass_rows: torch.Tensor | None = None
         self.row_layers: torch.Tensor | None = None
@@ -121,6 +126,21 @@ class _Rows:
         if self.attn_plan is None or self.attn_plan.q_pos is not self.positions:
             self.attn_plan = plan_rows(self.positions, window, dtype)
         return self.attn_plan
+
+    def metered(self, window: int | None, num_heads: int, num_kv: int) -> MeterPlan | None:
+        """The KeyMeter's plan for the rows still computed (None: none of them reports),
+        built as `plan` is: on the first metered layer, again only after rows stopped."""
+        meter = self.work.meter
+        assert meter is not None
+        if self.meter_at is not self.positions:
+            self.meter_at = self.positions
+            self.meter_rows = self.positions >= meter.start
+            self.meter_plan = None
+            if bool(self.meter_rows.any()):
+                self.meter_plan = plan_meter(
+                    self.positions, window, num_heads, num_kv, self.meter_rows
+                )
+        return self.meter_plan
 
     def add_key_mass(self, mass: torch.Tensor) -> None:
         """One layer's KeyMeter measure [meter.start]."""
@@ -372,11 +392,12 @@ class LlamaModel:
         )
         onehot = s.onehot if wants_stats else None
         meter = work.meter
-        metered = None
+        mplan = None
         if meter is not None and meter.first_layer <= layer_idx <= meter.last_layer:
-            metered = pos >= meter.start
-        if metered is not None and bool(metered.any()):
-            res, key_mass = attention_key_mass(q, keys, values, pos, window, metered)
+            mplan = s.metered(window, q.shape[0], k.shape[0])
+        if mplan is not None:
+            assert meter is not None and s.meter_rows is not None
+            res, key_mass = attention_key_mass(q, keys, values, pos, window, s.meter_rows, mplan)
             out.copy_(res.transpose(0, 1))
             s.add_key_mass(key_mass[: meter.start])
             mass = None
