@@ -13,6 +13,7 @@ from store_helpers import make_variant
 from cachecraft.store import codec
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import DiskTier
+from cachecraft.store.layers import TensorLayerReader, all_layers
 from cachecraft.store.store import TieredStore
 
 SIZE = 512
@@ -238,3 +239,19 @@ def test_int8_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
         assert err <= ref.float().abs().max().item() / 127 + 1e-3
         assert err > 0  # really quantized
     assert file_of(tmp_path, v.variant_id).stat().st_size < len(codec.to_bytes(v))
+
+
+def test_all_layers_stacks_a_file_and_hands_memory_over_as_held(tmp_path: Path) -> None:
+    """`all_layers`: every layer of a disk variant stacked (each read and checked), and a
+    variant in memory as the tier holds it (the splice reads it without a copy)."""
+    store = disk_store(tmp_path, memory_slots=0)
+    v = make_variant("a")
+    store.offer(v)
+    reader = store.open_layers(v.variant_id)
+    assert reader is not None
+    keys, values = all_layers(reader)
+    reader.close()
+    assert torch.equal(keys, v.keys) and torch.equal(values, v.values)
+    held = TensorLayerReader(v.keys, v.values)
+    keys, values = all_layers(held)
+    assert keys.data_ptr() == v.keys.data_ptr() and values.data_ptr() == v.values.data_ptr()
