@@ -13,6 +13,7 @@ from cachecraft.model.attention import (
     ROW_BLOCK_BF16,
     attention_key_mass,
     causal_attention,
+    plan_meter,
     plan_rows,
     row_span_mass,
     span_onehot,
@@ -128,7 +129,8 @@ def test_key_meter_output_equals_plain_and_mass_equals_brute_force(case: str) ->
     q, k, v = _operands(q_pos, seed=1)
     ctx = k.shape[1]
     rows = q_pos >= q_pos[len(q_pos) // 2]  # the meter counts the later half of the rows
-    out, mass = attention_key_mass(q, k, v, q_pos, window, rows)
+    plan = plan_meter(q_pos, window, q.shape[0], k.shape[0], rows)
+    out, mass = attention_key_mass(q, k, v, plan)
     plain, _ = causal_attention(q, k, v, q_pos, window)
     assert torch.allclose(out, plain, atol=1e-5)
     _, probs = _brute(q, k, v, q_pos, window)

@@ -45,9 +45,7 @@ def make_variants(
     num_layers = kv.k.shape[0]
     every = tuple(range(num_layers))
     layers = every if layers is None else tuple(layers)
-    span_mass = None  # [measured layers][S][S]
-    if measured:
-        span_mass = [result.span_mass_layers[layer].tolist() for layer in layers]
+    span_mass = result.span_mass_layers[list(layers)].tolist() if measured else None  # [L'][S][S]
     stats_layers = () if layers == every or not measured else layers  # (): every layer
     out = []
     for i, cp in enumerate(plan.chunks):

@@ -259,27 +259,18 @@ def plan_meter(
 
 
 def attention_key_mass(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    window: int | None,
-    meter_rows: torch.Tensor,
-    plan: MeterPlan | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: MeterPlan
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention with explicit scores, for the few rows of a probe: q [H, n, D] at sorted
-    positions q_pos [n]; k, v [Hkv, ctx, D] with ctx = q_pos[-1] + 1; meter_rows bool [n].
-    `plan`: `plan_meter` of the same rows (built here when None).
+    """Attention with explicit scores, for the few rows of a probe: q [H, n, D] at the sorted
+    positions `plan` was made for (`plan_meter`, which also says which rows report); k, v
+    [Hkv, ctx, D] with ctx = the last position + 1.
 
     Returns (out [H, n, D], mass [ctx]): the output as `causal_attention` gives it (to float
-    rounding), and per key position the attention probability the selected rows give it
+    rounding), and per key position the attention probability the metered rows give it
     (mean over heads and those rows). One score matrix serves both, so the probe pays for
     its scores once rather than for SDPA and the scores beside it."""
     num_heads, n, head_dim = q.shape
-    num_kv = k.shape[0]
-    if plan is None:
-        plan = plan_meter(q_pos, window, num_heads, num_kv, meter_rows)
-    qg = q.reshape(num_kv, -1, head_dim)  # the query heads of a KV group as rows
+    qg = q.reshape(k.shape[0], -1, head_dim)  # the query heads of a KV group as rows
     scores = torch.baddbmm(plan.bias, qg.float(), k.float().transpose(1, 2), alpha=head_dim**-0.5)
     probs = torch.softmax(scores, dim=-1)  # [Hkv, group * n, ctx]
     out = torch.bmm(probs.to(v.dtype), v).view(num_heads, n, head_dim)

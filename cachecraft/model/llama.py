@@ -91,8 +91,7 @@ class _Rows:
         )
         self.final_last_layer = self.last_layer.clone()
         self.attn_plan: RowPlan | None = None  # for the current `positions` (see `plan`)
-        self.meter_at: torch.Tensor | None = None  # the `positions` of these two (`metered`)
-        self.meter_rows: torch.Tensor | None = None
+        self.meter_at: torch.Tensor | None = None  # the `positions` of meter_plan (`metered`)
         self.meter_plan: MeterPlan | None = None
         self.mass_layers: torch.Tensor | None = None
         self.mass_rows: torch.Tensor | None = None
@@ -134,12 +133,12 @@ class _Rows:
         assert meter is not None
         if self.meter_at is not self.positions:
             self.meter_at = self.positions
-            self.meter_rows = self.positions >= meter.start
-            self.meter_plan = None
-            if bool(self.meter_rows.any()):
-                self.meter_plan = plan_meter(
-                    self.positions, window, num_heads, num_kv, self.meter_rows
-                )
+            rows = self.positions >= meter.start
+            self.meter_plan = (
+                plan_meter(self.positions, window, num_heads, num_kv, rows)
+                if bool(rows.any())
+                else None
+            )
         return self.meter_plan
 
     def add_key_mass(self, mass: torch.Tensor) -> None:
@@ -396,8 +395,8 @@ class LlamaModel:
         if meter is not None and meter.first_layer <= layer_idx <= meter.last_layer:
             mplan = s.metered(window, q.shape[0], k.shape[0])
         if mplan is not None:
-            assert meter is not None and s.meter_rows is not None
-            res, key_mass = attention_key_mass(q, keys, values, pos, window, s.meter_rows, mplan)
+            assert meter is not None
+            res, key_mass = attention_key_mass(q, keys, values, mplan)
             out.copy_(res.transpose(0, 1))
             s.add_key_mass(key_mass[: meter.start])
             mass = None
