@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -154,6 +156,30 @@ def test_rows_nobody_reads_skip_the_rest_of_their_layer(tiny: LoadedModel) -> No
         assert torch.equal(kv2.k[:2], ref_kv.k[:2]) and torch.equal(kv2.v[:2], ref_kv.v[:2])
     finally:
         layers[:] = originals
+
+
+def test_aligned_rows_change_no_result(tiny: LoadedModel) -> None:
+    """Rows rounded up to a multiple of row_align (copies of the first row, never read) give
+    the logits and K/V of the rows as they are: a full prefill, and a partial one whose rows
+    stop at different layers (compacted, and a layer's o-proj and MLP on a subset)."""
+    aligned = copy.copy(tiny.model)
+    aligned.row_align = 16
+    ids = _ids(45, seed=11)
+    outs = []
+    for model in (tiny.model, aligned):
+        kv = KVCache(tiny.arch, 45, torch.float32, "cpu")
+        full = model.forward_step([SeqWork(kv, ids, torch.arange(45), logits_for="all")])[0]
+        last = torch.full((37,), tiny.arch.num_layers - 1)
+        last[5:20] = 1
+        kv2 = KVCache(tiny.arch, 45, torch.float32, "cpu")
+        kv2.write(0, kv.k, kv.v)
+        work = SeqWork(kv2, ids[8:], torch.arange(8, 45), last_layer=last, logits_for="last")
+        part = model.forward_step([work])[0]
+        outs.append((full.logits, kv.k, kv.v, part.logits, kv2.k, kv2.v))
+    assert aligned._aligned(torch.arange(37)).shape[0] == 48  # the case is really padded
+    for want, got in zip(*outs, strict=True):
+        assert want.shape == got.shape
+        assert (want - got).abs().max() < 1e-5
 
 
 def test_batched_step_equals_separate(tiny: LoadedModel) -> None:

@@ -38,6 +38,19 @@ for the products those are faster at (fp32: one or two rows; bf16: long prefills
 model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B model's 26 GiB."""
 
 
+ROW_ALIGN_BF16 = 32
+"""bf16 on oneDNN: a step's products run on its row count rounded up to a multiple of this
+(from this many rows on; the extra rows are never read). oneDNN builds a kernel for every new
+row count, and in bf16 (AMX) that costs more than the product: on an AMX Xeon VM, two
+threads, the fused MLP at 700 rows took 25.8 ms on a new count and 4.0 ms on a seen one (the
+qkv product 3.6 vs 0.4 ms), so a lone 700-token prefill paid ~30 ms at its first layer and a
+reused request twice (its check rows stop after layer 1). Rounded, the counts repeat: 32
+lone wiki-qa requests after 104 warm-up ones, both arms in one process, 10.7 -> 8.7 s in
+cachecraft mode (TTFT p50 338 -> 259 ms) and 9.5 -> 8.8 s in prefix mode (273 -> 246 ms).
+float32's products build their kernels in well under a
+millisecond, so float32 runs its rows as they are."""
+
+
 class LayerWeights(NamedTuple):
     """A layer's products. The two RMSNorm weights are folded into the products that read
     their output (W diag(w): qkv carries input_layernorm's, the MLP's gate and up carry
@@ -168,8 +181,11 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         pack: bool = True,
+        row_align: int | None = None,
     ) -> None:
-        """pack: pack the linear weights for oneDNN where it runs (model/linear.py)."""
+        """pack: pack the linear weights for oneDNN where it runs (model/linear.py).
+        row_align: products run on row counts rounded up to a multiple of it (None:
+        ROW_ALIGN_BF16 for packed bf16, else 1, i.e. as they are)."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
@@ -184,6 +200,11 @@ class LlamaModel:
             return w.to(device=self.device, dtype=dtype).contiguous()
 
         pack = pack and can_pack(dtype, self.device)
+        if row_align is None:
+            row_align = ROW_ALIGN_BF16 if pack and dtype == torch.bfloat16 else 1
+        if row_align < 1:
+            raise ValueError(f"row_align must be >= 1, got {row_align}")
+        self.row_align = row_align
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         tied = arch.tie_word_embeddings or "lm_head.weight" not in state_dict
@@ -233,25 +254,38 @@ class LlamaModel:
             w.kv.length = max(w.kv.length, top)
         ids = [w.token_ids for w in works]
         dplan = None
+        num_decode = 0
         tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # decode rows' RoPE tables
         if decode is not None and decode.caches:
             dplan = plan_decode(decode, arch.sliding_window, arch.max_position_embeddings)
             dids = decode.token_ids if dplan.order is None else decode.token_ids[dplan.order]
             ids.append(dids)
+            num_decode = dids.shape[0]
             tables.append(self.rope.cos_sin(dplan.positions, self.dtype))
-        h = F.embedding(torch.cat(ids).to(self.device), self.embed)
+        # h: the real rows, then copies of row 0 up to an aligned count (`_aligned`).
+        h = F.embedding(self._aligned(torch.cat(ids).to(self.device)), self.embed)
         # RoPE tables of every row of every sequence: [N, 1, D], one rotation per layer.
         cos, sin = self._tables(states, tables)
         loaders = [w.before_layer for w in works if w.before_layer is not None]
         for layer_idx, weights in enumerate(self.layers):
             for fill in loaders:
                 fill(layer_idx)
-            compacted = self._compact(h, states, layer_idx)
+            compacted = self._compact(h, states, layer_idx, num_decode)
             if compacted is not None:
                 h = compacted
                 cos, sin = self._tables(states, tables)
             h = self._layer(h, states, layer_idx, weights, cos, sin, dplan)
         return self._finish(h, states, dplan)
+
+    def _aligned(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n] (token ids or row indexes) followed by copies of rows[0] up to n rounded
+        up to a multiple of row_align (from row_align rows on): the products of a step then
+        see few distinct row counts (ROW_ALIGN_BF16). The extra rows are computed by the
+        row-wise products alone and never read."""
+        n, align = rows.shape[0], self.row_align
+        if align == 1 or n < align or n % align == 0:
+            return rows
+        return torch.cat([rows, rows[:1].expand(align - n % align)])
 
     @staticmethod
     def _tables(
@@ -261,9 +295,12 @@ class LlamaModel:
         sin = torch.cat([s.sin for s in states] + [t[1] for t in tables])[:, None]
         return cos, sin
 
-    def _compact(self, h: torch.Tensor, states: list[_Rows], layer_idx: int) -> torch.Tensor | None:
+    def _compact(
+        self, h: torch.Tensor, states: list[_Rows], layer_idx: int, num_decode: int
+    ) -> torch.Tensor | None:
         """Drop rows whose last layer is below `layer_idx` (they keep their given K/V above);
-        None when every row goes on. Decode rows (after the states' rows) always go on."""
+        None when every row goes on. The `num_decode` decode rows (after the states' rows)
+        always go on; the result is aligned again (`_aligned`)."""
         if not _may_stop(states):
             return None  # nothing can have stopped: skip the per-sequence checks
         keeps = [s.last_layer >= layer_idx for s in states]
@@ -274,9 +311,8 @@ class LlamaModel:
             s.cos, s.sin = s.cos[k], s.sin[k]
             if s.mass_rows is not None:
                 s.stats_rows = s.stats_rows[k]
-        num_decode = h.shape[0] - sum(k.shape[0] for k in keeps)
         keeps.append(torch.ones(num_decode, dtype=torch.bool, device=h.device))
-        return h[torch.cat(keeps)]
+        return h[self._aligned(torch.nonzero(torch.cat(keeps)).flatten())]
 
     def _layer(
         self,
@@ -290,13 +326,14 @@ class LlamaModel:
     ) -> torch.Tensor:
         arch = self.arch
         nh, nkv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        num_rows = h.shape[0]
+        num_rows = cos.shape[0]  # h's real rows; the rest is alignment (`_aligned`)
         x = _normalize(h, arch.rms_norm_eps)  # input_layernorm's weight is in qkv
-        qkv = w.qkv(x)
+        qkv = w.qkv(x)[:num_rows]
         # Rotate the queries and keys of all rows at once: [N, H + Hkv, D].
         qk = Rope.apply(qkv[:, : (nh + nkv) * hd].view(num_rows, nh + nkv, hd), cos, sin)
         vals = qkv[:, (nh + nkv) * hd :].view(num_rows, nkv, hd)
-        attn = torch.empty((num_rows, nh * hd), dtype=h.dtype, device=h.device)
+        attn = torch.empty((h.shape[0], nh * hd), dtype=h.dtype, device=h.device)
+        attn[num_rows:] = 0
         start = 0
         for s in states:
             n = s.positions.shape[0]
@@ -309,14 +346,15 @@ class LlamaModel:
             start += n
         if dplan is not None:  # the decode rows: [B, H, D] queries, [B, Hkv, D] keys/values
             q, k, v = qk[start:, :nh], qk[start:, nh:], vals[start:]
-            attn[start:] = attend_decode(dplan, layer_idx, q, k, v)
+            attn[start:num_rows] = attend_decode(dplan, layer_idx, q, k, v)
         # Rows that stop here (their K/V at this layer are all they give) skip the rest of
         # the layer; their h stays stale and is never read (compacted away, or no logits).
         rows = self._going_on(states, layer_idx, num_rows)
         if rows is None:
             return self._mlp(h, attn, w)
         if rows.numel():
-            h.index_copy_(0, rows, self._mlp(h[rows], attn[rows], w))
+            take = self._aligned(rows)
+            h.index_copy_(0, rows, self._mlp(h[take], attn[take], w)[: rows.numel()])
         return h
 
     def _mlp(self, h: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
@@ -453,12 +491,13 @@ class LlamaModel:
             picks.append(torch.tensor(where, dtype=torch.long, device=h.device) + start)
             counts.append(len(want))
             start += n
-        num_decode = h.shape[0] - start
+        num_decode = 0 if dplan is None else dplan.positions.shape[0]
         if num_decode:
             picks.append(torch.arange(start, start + num_decode, device=h.device))
             counts.append(num_decode)
-        x = self.norm * _normalize(h[torch.cat(picks)], self.arch.rms_norm_eps)
-        logits = self.lm_head(x).float().split(counts)
+        rows = torch.cat(picks)
+        x = self.norm * _normalize(h[self._aligned(rows)], self.arch.rms_norm_eps)
+        logits = self.lm_head(x)[: rows.shape[0]].float().split(counts)
         results = []
         for s, seq_logits in zip(states, logits[: len(states)], strict=True):
             row_mass = None
