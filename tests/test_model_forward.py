@@ -182,6 +182,17 @@ def test_aligned_rows_change_no_result(tiny: LoadedModel) -> None:
         assert (want - got).abs().max() < 1e-5
 
 
+def test_kernels_are_warmed_once_per_aligned_count(tiny: LoadedModel) -> None:
+    """warm_kernels runs the products at each aligned count not yet warmed, up to a step's
+    most rows, and nothing where rows are not aligned (float32's default)."""
+    assert tiny.model.row_align == 1 and tiny.model.warm_kernels(2048) == 0
+    aligned = copy.copy(tiny.model)
+    aligned.row_align = 16
+    assert aligned.warm_kernels(64) == 4  # 16, 32, 48, 64
+    assert aligned.warm_kernels(70) == 0
+    assert aligned.warm_kernels(100) == 2  # 80, 96
+
+
 def test_batched_step_equals_separate(tiny: LoadedModel) -> None:
     a, b = _ids(70, seed=6), _ids(30, seed=7)
     ra, _ = _full(tiny, a)

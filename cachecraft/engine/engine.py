@@ -146,6 +146,9 @@ class Engine:
                 runner.loaded.arch, c.max_running, model.dtype, model.device, c.kv_pool_mib << 20
             )
         self._released: list[KVCache] = []  # caches of requests that ended this step
+        # bf16: oneDNN's kernels for every aligned step size, built now on this thread's
+        # thread count (the step thread's), not in the first requests (model/llama.py).
+        model.warm_kernels(c.token_budget + c.max_running)
 
     # ---- other threads ----------------------------------------------------------------------
     @property

@@ -205,6 +205,7 @@ class LlamaModel:
         if row_align < 1:
             raise ValueError(f"row_align must be >= 1, got {row_align}")
         self.row_align = row_align
+        self._warm_rows = 0  # `warm_kernels` ran every aligned count up to this
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         tied = arch.tie_word_embeddings or "lm_head.weight" not in state_dict
@@ -276,6 +277,27 @@ class LlamaModel:
                 cos, sin = self._tables(states, tables)
             h = self._layer(h, states, layer_idx, weights, cos, sin, dplan)
         return self._finish(h, states, dplan)
+
+    @torch.inference_mode()
+    def warm_kernels(self, max_rows: int) -> int:
+        """Run one layer's products once at every aligned row count up to `max_rows` (a
+        step's most rows), so that oneDNN builds their kernels now rather than in the first
+        requests that reach each count (ROW_ALIGN_BF16); a no-op when rows are not aligned
+        or the counts were warmed already. oneDNN keys its kernels by thread count too: call
+        it on a thread with the step thread's. Returns the row counts warmed."""
+        align = self.row_align
+        if align == 1:
+            return 0
+        counts = range(align * (self._warm_rows // align + 1), max_rows + 1, align)
+        w = self.layers[0]
+        hidden = self.embed.shape[1]
+        attn_width = self.arch.num_heads * self.arch.head_dim
+        for n in counts:
+            x = torch.zeros((n, hidden), dtype=self.dtype, device=self.device)
+            w.qkv(x)
+            w.mlp(x, x + w.o(x.new_zeros((n, attn_width))))
+        self._warm_rows = max(self._warm_rows, max_rows)
+        return len(counts)
 
     def _aligned(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n] (token ids or row indexes) followed by copies of rows[0] up to n rounded
