@@ -3,14 +3,19 @@ old single-request path did (prefill, then one plain forward step per token)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from cachecraft.engine.engine import Engine
+from cachecraft.engine.engine import Engine, EngineConfig
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.llm import LLM
+from cachecraft.model.loader import LoadedModel
 from cachecraft.model.reference import greedy_tokens
 from cachecraft.model.step import SeqWork
 from cachecraft.request import Chunk, RagRequest
@@ -162,3 +167,31 @@ def test_generate_from_several_threads_answers_as_alone(tiny_dir: Path) -> None:
     assert errors == []
     assert [got[i] for i in range(len(reqs))] == alone
     assert not llm.engine.has_work()
+
+
+def test_aligned_kernels_are_warmed_on_the_thread_that_steps(tiny: LoadedModel) -> None:
+    """With aligned rows (bf16's default) the engine warms every aligned step size once, in its
+    first step on the stepping thread, not where it was made; the answer is unchanged."""
+    model = copy.copy(tiny.model)
+    model.row_align = 16
+    warm = model.warm_kernels
+    calls: list[tuple[str, int]] = []
+
+    def spy(max_rows: int) -> int:
+        calls.append((threading.current_thread().name, max_rows))
+        return warm(max_rows)
+
+    model.warm_kernels = spy  # type: ignore[method-assign]
+    config = EngineConfig(token_budget=64, max_running=4)
+    aligned = LLM(dataclasses.replace(tiny, model=model), engine=config)
+    assert calls == []
+    greedy = SamplingParams(max_tokens=4)
+    request = _req([0, 1])
+    with ThreadPoolExecutor(1, thread_name_prefix="caller") as pool:
+        out = pool.submit(aligned.generate, [request], greedy).result()[0]
+    assert [name for name, _ in calls] == ["caller_0"] and calls[0][1] == 68
+    assert warm(68) == 0  # every count up to a step's most rows is warm
+    aligned.generate([request], greedy)
+    assert len(calls) == 1
+    plain = LLM(tiny, engine=config).generate([request], greedy)[0]
+    assert out.token_ids == plain.token_ids

@@ -146,9 +146,7 @@ class Engine:
                 runner.loaded.arch, c.max_running, model.dtype, model.device, c.kv_pool_mib << 20
             )
         self._released: list[KVCache] = []  # caches of requests that ended this step
-        # bf16: oneDNN's kernels for every aligned step size, built now on this thread's
-        # thread count (the step thread's), not in the first requests (model/llama.py).
-        model.warm_kernels(c.token_budget + c.max_running)
+        self._warm = False  # `_warm_kernels` ran
 
     # ---- other threads ----------------------------------------------------------------------
     @property
@@ -231,6 +229,7 @@ class Engine:
         (the thread of a started engine does the same in its loop)."""
         if not self.caller_driven:
             raise RuntimeError("step() drives a caller_driven engine; this one has a thread")
+        self._warm_kernels()
         self._advance(*self._take())
 
     def start(self) -> Engine:
@@ -252,6 +251,7 @@ class Engine:
     def _run(self) -> None:
         torch.set_num_threads(self.num_threads)  # its own: another thread may have changed it
         try:
+            self._warm_kernels()
             self._loop()
         except BaseException:
             log.critical("the engine step thread died", exc_info=True)
@@ -260,6 +260,16 @@ class Engine:
         finally:
             self._busy_since = None
             self._shutdown()
+
+    def _warm_kernels(self) -> None:
+        """bf16: have oneDNN build its kernels for every aligned step size before the first
+        request needs them (model/llama.py). Once, on the thread that steps: oneDNN keys its
+        kernels by thread count, and a parallel operation on another thread (the one that made
+        the engine) would start a second OpenMP team there (cachecraft/env.py)."""
+        if not self._warm:
+            self._warm = True
+            c = self.config
+            self.runner.loaded.model.warm_kernels(c.token_budget + c.max_running)
 
     def _loop(self) -> None:
         while True:

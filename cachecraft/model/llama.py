@@ -284,7 +284,7 @@ class LlamaModel:
         step's most rows), so that oneDNN builds their kernels now rather than in the first
         requests that reach each count (ROW_ALIGN_BF16); a no-op when rows are not aligned
         or the counts were warmed already. oneDNN keys its kernels by thread count too: call
-        it on a thread with the step thread's. Returns the row counts warmed."""
+        it on the thread that will step (engine/engine.py). Returns the row counts warmed."""
         align = self.row_align
         if align == 1:
             return 0
