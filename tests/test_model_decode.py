@@ -40,11 +40,17 @@ def _alone(model: LlamaModel, ids: torch.Tensor, steps: int) -> tuple[list[int],
 
 
 def _batched(
-    model: LlamaModel, prompts: list[torch.Tensor], steps: int, hole_slots: int = 2
+    model: LlamaModel,
+    prompts: list[torch.Tensor],
+    steps: int,
+    hole_slots: int = 2,
+    transposed_keys: bool = True,
 ) -> tuple[list[list[int]], list[torch.Tensor], KVPool]:
     """The same sequences in a pool with free slots between them, fed in an order that is not
     the slot order, beside a two-part prefill of another sequence in the first two steps."""
-    pool = KVPool(model.arch, len(prompts) + hole_slots, torch.float32, "cpu", 1 << 30)
+    pool = KVPool(
+        model.arch, len(prompts) + hole_slots, torch.float32, "cpu", 1 << 30, transposed_keys
+    )
     placeholders = [pool.acquire(8) for _ in range(hole_slots)]
     kvs = []
     for ids in prompts:
@@ -75,14 +81,18 @@ def _batched(
     return tokens, [torch.stack(x) for x in logits], pool
 
 
-@pytest.mark.parametrize(("window", "row_align"), [(None, 1), (48, 1), (None, 16)])
+@pytest.mark.parametrize(
+    ("window", "row_align", "transposed_keys"),
+    [(None, 1, True), (48, 1, True), (None, 16, True), (None, 1, False), (48, 1, False)],
+)
 def test_batched_decode_equals_per_sequence_decode(
-    tiny: LoadedModel, window: int | None, row_align: int
+    tiny: LoadedModel, window: int | None, row_align: int, transposed_keys: bool
 ) -> None:
     """Greedy tokens equal and logits within 1e-4 for mixed context lengths (several slot
-    groups, padded keys, free slots inside a group), with and without a sliding window; and
-    with the batched steps' rows aligned (a prefill's 20 rows and 5 decode rows run as 32)
-    against the unaligned per-sequence path."""
+    groups, padded keys, free slots inside a group), with and without a sliding window; with
+    the batched steps' rows aligned (a prefill's 20 rows and 5 decode rows run as 32) against
+    the unaligned per-sequence path; and over a pool of untransposed keys (bfloat16's layout,
+    read by SDPA)."""
     model = copy.copy(tiny.model)
     if window is not None:
         model.arch = dataclasses.replace(model.arch, sliding_window=window)
@@ -90,7 +100,8 @@ def test_batched_decode_equals_per_sequence_decode(
     model.row_align = row_align
     prompts = [_ids(n, seed=30 + n) for n in (9, 57, 60, 130, 400)]
     steps = 5
-    tokens, logits, _ = _batched(model, prompts, steps)
+    tokens, logits, pool = _batched(model, prompts, steps, transposed_keys=transposed_keys)
+    assert pool.k.shape == pool.v.shape and pool.k.is_contiguous() == (not transposed_keys)
     for i, ids in enumerate(prompts):
         ref_tokens, ref_logits = _alone(ref_model, ids, steps)
         assert tokens[i] == ref_tokens
@@ -119,9 +130,10 @@ def test_far_apart_lengths_split_into_groups(tiny: LoadedModel) -> None:
     assert hidden is not None and hidden[0].sum() == 10 and hidden[1].sum() == 0
 
 
-def test_pool_slots_growth_and_release(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize("transposed_keys", [True, False])
+def test_pool_slots_growth_and_release(tiny: LoadedModel, transposed_keys: bool) -> None:
     arch = tiny.arch
-    pool = KVPool(arch, 3, torch.float32, "cpu", max_bytes=1 << 30)
+    pool = KVPool(arch, 3, torch.float32, "cpu", 1 << 30, transposed_keys)
     a = pool.acquire(10)
     b = pool.acquire(10)
     assert a is not None and b is not None and (a.slot, b.slot) == (0, 1)
@@ -134,8 +146,9 @@ def test_pool_slots_growth_and_release(tiny: LoadedModel) -> None:
     assert c is not None and c.slot == 2 and pool.capacity >= grown + 5
     assert bool((a.k[:, :, :10] == 3.0).all()) and a.capacity == pool.capacity
     assert not bool(c.k.any())  # a free slot is not copied: handed out empty
-    # keys live transposed (capacity last), so a decode step reads K^T as a plain operand
-    assert pool.k_t.is_contiguous() and pool.k_t.shape[-1] == pool.capacity
+    # transposed keys live with capacity last, so a decode step reads K^T as a plain operand
+    stored = pool.k_t if transposed_keys else pool.k
+    assert stored.is_contiguous() and pool.k_t.shape[-1] == pool.capacity
     assert bool((pool.k_t[:, a.slot, :, :, :10] == 3.0).all())
     assert bool((pool.k_t[:, a.slot, :, :, 10:] == 0).all())
     pool.check_integrity()

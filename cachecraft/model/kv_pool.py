@@ -13,6 +13,11 @@ layer (~0.1 ms at 800 positions) for SDPA; a decode step at B=16 saves ~15 ms. T
 grows (all slots at once) when a sequence needs more positions; `acquire` refuses (None)
 when no slot is free or growing would pass `max_bytes`, and the caller then uses a plain
 KVCache of its own.
+
+bfloat16 keeps its keys as they come, k [layers, slots, Hkv, capacity, D] (`transposed_keys`
+False): its batched matmuls copy every strided key and value slice before multiplying (a
+B=16 decode step spent 23 of 73 ms in those copies), while SDPA reads a slot range of
+untransposed keys and values in place (model/decode.py).
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ from cachecraft.model.kv import KVCache, lazy_zeros
 
 
 class KVPool:
-    """k_t: [num_layers, num_slots, num_kv_heads, head_dim, capacity] (keys, transposed);
-    v: [num_layers, num_slots, num_kv_heads, capacity, head_dim]; k: k_t's [.., capacity,
-    head_dim] view."""
+    """v, k: [num_layers, num_slots, num_kv_heads, capacity, head_dim]; k_t: k's [..,
+    head_dim, capacity] view. With `transposed_keys` k_t is the stored tensor (contiguous)
+    and k its view; without, the other way round."""
 
     def __init__(
         self,
@@ -37,23 +42,37 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         max_bytes: int,
+        transposed_keys: bool | None = None,
     ) -> None:
+        """transposed_keys: store keys transposed (None: all dtypes but bfloat16)."""
         if num_slots < 1:
             raise ValueError(f"a KV pool needs at least one slot, got {num_slots}")
         self.arch = arch
         self.num_slots = num_slots
         self.max_bytes = max_bytes
         self.max_positions = arch.max_position_embeddings
+        if transposed_keys is None:
+            transposed_keys = dtype != torch.bfloat16
+        self.transposed_keys = transposed_keys
         shape = (arch.num_layers, num_slots, arch.num_kv_heads, 0, arch.head_dim)
-        self.k_t = torch.zeros(_swap(shape), dtype=dtype, device=device)
+        self._keys = torch.zeros(self._key_shape(shape), dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(num_slots))  # a heap: the lowest free slot goes first
         self._caches: dict[int, KVCache] = {}
 
+    def _key_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored keys' shape for v's `shape`."""
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transposed_keys else shape
+
     @property
     def k(self) -> torch.Tensor:
-        """[num_layers, num_slots, num_kv_heads, capacity, head_dim]: a view of k_t."""
-        return self.k_t.transpose(-1, -2)
+        """[num_layers, num_slots, num_kv_heads, capacity, head_dim]."""
+        return self._keys.transpose(-1, -2) if self.transposed_keys else self._keys
+
+    @property
+    def k_t(self) -> torch.Tensor:
+        """[num_layers, num_slots, num_kv_heads, head_dim, capacity]."""
+        return self._keys if self.transposed_keys else self._keys.transpose(-1, -2)
 
     @property
     def capacity(self) -> int:
@@ -109,12 +128,15 @@ class KVPool:
         new_cap = max(new_cap, capacity)
         old = self.capacity
         shape = (*self.v.shape[:3], new_cap, self.v.shape[4])
-        k_t = lazy_zeros(_swap(shape), self.v.dtype, self.v.device)
+        keys = lazy_zeros(self._key_shape(shape), self.v.dtype, self.v.device)
         v = lazy_zeros(shape, self.v.dtype, self.v.device)
         for slot in self._caches:
-            k_t[:, slot, ..., :old] = self.k_t[:, slot]
+            if self.transposed_keys:
+                keys[:, slot, ..., :old] = self._keys[:, slot]
+            else:
+                keys[:, slot, :, :old] = self._keys[:, slot]
             v[:, slot, :, :old] = self.v[:, slot]
-        self.k_t, self.v = k_t, v
+        self._keys, self.v = keys, v
         for slot, kv in self._caches.items():
             kv.k, kv.v = self.k[:, slot], self.v[:, slot]
 
@@ -127,8 +149,3 @@ class KVPool:
         for slot, kv in self._caches.items():
             assert kv.pool is self and kv.slot == slot
             assert kv.k.data_ptr() == self.k[:, slot].data_ptr(), "a cache views a stale pool"
-
-
-def _swap(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape with its last two dimensions swapped."""
-    return (*shape[:-2], shape[-1], shape[-2])
