@@ -47,7 +47,8 @@ qkv product 3.6 vs 0.4 ms), so a lone 700-token prefill paid ~30 ms at its first
 reused request twice (its check rows stop after layer 1). Rounded, the counts repeat: 32
 lone wiki-qa requests after 104 warm-up ones, both arms in one process, 10.7 -> 8.7 s in
 cachecraft mode (TTFT p50 338 -> 259 ms) and 9.5 -> 8.8 s in prefix mode (273 -> 246 ms).
-float32's products build their kernels in well under a
+The engine builds the kernels of every aligned count up to its token budget before its first
+step (`warm_kernels`, ~2 s). float32's products build their kernels in well under a
 millisecond, so float32 runs its rows as they are."""
 
 
