@@ -151,14 +151,13 @@ def attend_decode(
             full = qg.new_zeros((n, num_kv, group, head_dim))
             full[g.at] = qg
             qg = full
-        keys_t = kl[g.first : g.end, ..., : g.length].to(q.dtype)  # [n, Hkv, D, length]
         values = vl[g.first : g.end, :, : g.length].to(q.dtype)
         if sdpa:
+            keys = pool.k[layer, g.first : g.end, :, : g.length].to(q.dtype)  # [n, Hkv, length, D]
             mask = None if g.hidden is None else ~g.hidden
-            o = F.scaled_dot_product_attention(
-                qg, keys_t.transpose(-1, -2), values, attn_mask=mask, scale=scale
-            )
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
         else:
+            keys_t = kl[g.first : g.end, ..., : g.length].to(q.dtype)  # [n, Hkv, D, length]
             scores = torch.matmul(qg * scale, keys_t)  # [n, Hkv, group, length]
             if g.hidden is not None:
                 scores.masked_fill_(g.hidden, float("-inf"))

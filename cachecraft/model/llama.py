@@ -277,7 +277,7 @@ class LlamaModel:
                 h = compacted
                 cos, sin = self._tables(states, tables)
             h = self._layer(h, states, layer_idx, weights, cos, sin, dplan)
-        return self._finish(h, states, dplan)
+        return self._finish(h, states, dplan, num_decode)
 
     @torch.inference_mode()
     def warm_kernels(self, max_rows: int) -> int:
@@ -483,10 +483,12 @@ class LlamaModel:
         s.mass_rows.index_add_(0, index, mass)
         s.row_layers[index] += 1
 
-    def _finish(self, h: torch.Tensor, states: list[_Rows], dplan: DecodePlan | None) -> StepOutput:
-        """Logits of the rows each sequence asked for, through ONE lm_head product for all
-        sequences (the head is the largest matrix: reading it once per sequence would cost
-        a decode step more than its layers)."""
+    def _finish(
+        self, h: torch.Tensor, states: list[_Rows], dplan: DecodePlan | None, num_decode: int
+    ) -> StepOutput:
+        """Logits of the rows each sequence asked for, and of the `num_decode` decode rows,
+        through ONE lm_head product for all sequences (the head is the largest matrix:
+        reading it once per sequence would cost a decode step more than its layers)."""
         picks: list[torch.Tensor] = []
         counts: list[int] = []
         start = 0
@@ -514,7 +516,6 @@ class LlamaModel:
             picks.append(torch.tensor(where, dtype=torch.long, device=h.device) + start)
             counts.append(len(want))
             start += n
-        num_decode = 0 if dplan is None else dplan.positions.shape[0]
         if num_decode:
             picks.append(torch.arange(start, start + num_decode, device=h.device))
             counts.append(num_decode)
