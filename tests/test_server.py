@@ -344,3 +344,43 @@ def test_a_setting_given_twice_is_an_error() -> None:
         build_stack(model="x", loaded=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         EngineConfig(512, 1, 1)  # type: ignore[misc]  # keyword only
+
+
+def test_a_conversation_reuses_its_earlier_turns_exactly(small: LoadedModel) -> None:
+    """Earlier turns are chunk-caches (server/generation.py `history_chunks`): the third request
+    of a chat finds the turns the second one computed, in the same place after the same
+    system prompt, and reuses them exactly; its answer is the one a full prefill gives."""
+    exact = StoreConfig(storage_dtype="float32")  # exact reuse splices bit-identical K/V
+    long_turn = " ".join(DOCS) * 3  # closes a history chunk on its own (>= 512 characters)
+    chat = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": long_turn},
+        {"role": "assistant", "content": "Those are four facts."},
+        {"role": "user", "content": "Which river?"},
+        {"role": "assistant", "content": "The Nile."},
+        {"role": "user", "content": "And the mountain?"},
+    ]
+    with (
+        start_server("cachecraft", loaded=small, store=exact) as base,
+        start_server("full", loaded=small) as full,
+    ):
+
+        def turn(url: str, n: int) -> openai.types.chat.ChatCompletion:
+            return client(url).chat.completions.create(
+                model="cachecraft", messages=chat[:n], max_tokens=6, temperature=0
+            )
+
+        second = turn(base, 4).usage.model_extra["cachecraft"]
+        labels = [c["label"] for c in second["chunks"]]
+        assert labels == ["messages[1]", "messages[2]"]  # the long turn alone, then the reply
+        assert not any(c["is_hit"] for c in second["chunks"]) and second["chunks"][0]["is_exact"]
+        third = turn(base, 6)
+        report = third.usage.model_extra["cachecraft"]
+        labels = [c["label"] for c in report["chunks"]]
+        # the short reply was the last, open chunk: it now holds the turns after it as well
+        assert labels == ["messages[1]", "messages[2:5]"]
+        first, rest = report["chunks"]
+        assert first["is_hit"] and first["is_exact"] and first["tokens_recomputed"] == 0
+        assert not rest["is_hit"] and rest["is_exact"]
+        assert third.usage.prompt_tokens_details.cached_tokens >= first["num_tokens"]
+        assert third.choices[0].message.content == turn(full, 6).choices[0].message.content

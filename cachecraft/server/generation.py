@@ -32,11 +32,17 @@ from cachecraft.server.protocol import (
     usage,
 )
 
+HISTORY_CHUNK_CHARS = 512
+"""Earlier turns are gathered, from the first on, into chunks of at least this many characters
+(a turn is never split): one short turn ("ok", "thanks") is too small to be worth a
+chunk-cache of its own, and a long chat stays a few dozen chunks. Where a chunk ends depends
+only on the turns before, so the next request of a conversation closes the same chunks."""
+
 
 def to_rag(body: ChatCompletionRequest | CompletionRequest, namespace: str) -> RagRequest:
-    """system messages -> system; last user message -> question (earlier turns, tool results
-    included, go in front of it as a transcript); documents -> chunks. A completion's prompt is
-    the question."""
+    """system messages -> system; last user message -> question; earlier turns (tool results
+    included) -> chunks (`history_chunks`), then the documents -> chunks. A completion's prompt
+    is the question."""
     chunks = _chunks(body.documents)
     if isinstance(body, CompletionRequest):
         prompt = body.prompt if isinstance(body.prompt, str) else None
@@ -46,19 +52,40 @@ def to_rag(body: ChatCompletionRequest | CompletionRequest, namespace: str) -> R
             prompt = body.prompt[0]
         return RagRequest(prompt, chunks, namespace=namespace)
     system = "\n".join(m.text() for m in body.messages if m.role in ("system", "developer"))
-    turns = [m for m in body.messages if m.role in ("user", "assistant", "tool")]
+    turns = [(i, m) for i, m in enumerate(body.messages) if m.role in ("user", "assistant", "tool")]
     if not turns:
         raise BadRequestError("messages: there is no user message; give the question as one")
-    if turns[-1].role != "user":
+    if turns[-1][1].role != "user":
         raise BadRequestError(
             f"messages: the last message (after any system ones) must be from the user, not "
-            f"{turns[-1].role!r}: this server answers a user's question"
+            f"{turns[-1][1].role!r}: this server answers a user's question"
         )
-    history = "".join(f"{m.role}: {m.text()}\n" for m in turns[:-1])
-    question = turns[-1].text()
-    if history and question.strip():
-        question = f"Conversation so far:\n{history}\n{question}"
-    return RagRequest(question, chunks, system=system or None, namespace=namespace)
+    history = history_chunks([(i, f"{m.role}: {m.text()}") for i, m in turns[:-1]])
+    question = turns[-1][1].text()
+    return RagRequest(question, history + chunks, system=system or None, namespace=namespace)
+
+
+def history_chunks(turns: list[tuple[int, str]]) -> list[Chunk]:
+    """A conversation's earlier turns, (index in `messages`, "role: text") in order, as chunks
+    of whole turns (`HISTORY_CHUNK_CHARS`), labelled by the messages they hold.
+
+    They are chunk-caches like documents: the conversation's next request sends them again,
+    unchanged, in the same order, after the same system prompt, so they are reused exactly
+    (nothing recomputed) and only the newest turns are computed, as a prefix cache serves a
+    chat. They go before the documents: a conversation only grows at its end, while the
+    documents may change with every question."""
+    out: list[Chunk] = []
+    texts: list[str] = []
+    first = 0
+    for j, (i, text) in enumerate(turns):
+        if not texts:
+            first = i
+        texts.append(text)
+        if sum(map(len, texts)) >= HISTORY_CHUNK_CHARS or j == len(turns) - 1:
+            label = f"messages[{first}]" if first == i else f"messages[{first}:{i + 1}]"
+            out.append(Chunk("\n".join(texts), label))
+            texts = []
+    return out
 
 
 def _chunks(documents: list[Document]) -> list[Chunk]:
