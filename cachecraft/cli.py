@@ -19,6 +19,7 @@ from cachecraft.env import set_passive_openmp, tune_allocator
 set_passive_openmp()  # before anything imports torch (cachecraft/env.py says why)
 tune_allocator()
 
+from cachecraft.bench.chat_bench import add_bench_chat_parser  # noqa: E402
 from cachecraft.bench.decode_bench import add_bench_decode_parser  # noqa: E402
 from cachecraft.bench.quality_cli import add_bench_quality_parser, add_calibrate_parser  # noqa: E402
 from cachecraft.bench.report_cli import add_bench_report_parser  # noqa: E402
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_store_parser,
         add_bench_serve_parser,
         add_bench_decode_parser,
+        add_bench_chat_parser,
         add_bench_report_parser,
     ):
         add(bench)

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 _ROLES = {"human": "User", "gpt": "Assistant"}
 
 
-def _turns(record: dict) -> list[tuple[str, str]]:
+def conversation_turns(record: dict) -> list[tuple[str, str]]:
     """(role, text) of a record's human/gpt turns, empty turns dropped."""
     out = []
     for turn in record.get("conversations") or []:
@@ -38,7 +38,7 @@ def conversation_items(
     """One request per human turn of `record`: the turn is the question (a long turn keeps its
     tail as the question and its head becomes extra chunks); earlier turns are the chunks,
     newest `max_chunks` kept; the gpt reply that followed is the reference answer."""
-    turns = _turns(record)
+    turns = conversation_turns(record)
     pieces = [
         [
             Chunk(p, f"{record.get('id', '?')}/t{t}/{j}")
