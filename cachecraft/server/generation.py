@@ -70,9 +70,9 @@ def history_chunks(turns: list[tuple[int, str]]) -> list[Chunk]:
     of whole turns (`HISTORY_CHUNK_CHARS`), labelled by the messages they hold.
 
     They are chunk-caches like documents: the conversation's next request sends them again,
-    unchanged, in the same order, after the same system prompt, so they are reused exactly
-    (nothing recomputed) and only the newest turns are computed, as a prefix cache serves a
-    chat. They go before the documents: a conversation only grows at its end, while the
+    unchanged, in the same order, after the same system prompt, so its closed chunks are
+    reused exactly (nothing recomputed) and only the last, still open one and the question are
+    computed, as a prefix cache serves a chat. They go before the documents: a conversation only grows at its end, while the
     documents may change with every question."""
     out: list[Chunk] = []
     texts: list[str] = []
