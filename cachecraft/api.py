@@ -18,6 +18,7 @@ from cachecraft.engine.handle import Failed, Finished, RequestHandle, Token
 from cachecraft.engine.options import RequestExtras, RequestOptions, StepStat
 from cachecraft.engine.report import ChunkReport, RequestReport
 from cachecraft.engine.sampling import SamplingParams
+from cachecraft.errors import BadRequestError
 from cachecraft.llm import LLM, Answer, RequestOutput
 from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
 from cachecraft.model.reference import greedy_tokens, prefill
@@ -26,7 +27,9 @@ from cachecraft.reuse.layout import build_layout
 from cachecraft.reuse.modes import probe_cost
 from cachecraft.reuse.plan import RecomputePlan
 from cachecraft.reuse.planner import matched_budgets
+from cachecraft.server.generation import to_rag
 from cachecraft.server.launch import Stack, build_stack, close_stack, start_server
+from cachecraft.server.protocol import ChatCompletionRequest
 from cachecraft.store.memory import MemoryStore, memory_config
 from cachecraft.store.meta import VariantMeta
 from cachecraft.store.redis_server import RedisServer
@@ -57,6 +60,7 @@ __all__ = [
     "Variant",
     "VariantMeta",
     "build_stack",
+    "chat_request",
     "close_stack",
     "greedy_tokens",
     "load_model",
@@ -76,3 +80,19 @@ def prompt_token_ids(request: RagRequest, tokenizer: Any) -> list[int]:
     tokenized alone as `text + "\\n\\n"`, then "Question: ..." and the template tail."""
     # the fingerprint only feeds the cache keys, never the ids
     return list(build_layout(request, tokenizer, fingerprint="").token_ids)
+
+
+def chat_request(
+    messages: list[dict[str, Any]],
+    documents: list[dict[str, Any]] | None = None,
+    namespace: str = "default",
+) -> RagRequest:
+    """The RagRequest the server makes of a chat completion with these OpenAI `messages` and
+    cachecraft `documents` ({"text", "id"?}): system messages -> system prompt, the last
+    (user) message -> question, earlier turns -> chunk-caches in front of the documents
+    (README "Serving"). Bad input raises BadRequestError as the server answers 400."""
+    try:
+        body = ChatCompletionRequest(messages=messages, documents=documents or [])
+    except ValueError as e:  # pydantic's ValidationError
+        raise BadRequestError(f"not a valid chat request: {e}") from None
+    return to_rag(body, namespace)

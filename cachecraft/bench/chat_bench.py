@@ -2,8 +2,8 @@
 
 Each user turn of a conversation is one request whose `messages` hold the system prompt, every
 earlier turn (the dataset's own assistant replies, as a client sends back what it was told) and
-the new question, turned into a RagRequest exactly as the server does (`server/generation.py`
-`to_rag`: earlier turns become chunk-caches). Conversations come from ShareGPT (the bundled
+the new question, turned into a RagRequest exactly as the server does (`api.chat_request`:
+earlier turns become chunk-caches). Conversations come from ShareGPT (the bundled
 offline package) unless given. Modes take turns conversation by conversation, each with its own
 LLM and store, so they see the same machine; reported per mode: prompt tokens, tokens computed
 (the probe's cost included), TTFT (the engine's), overall and by user turn.
@@ -19,13 +19,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from cachecraft.api import LLM, LoadedModel, SamplingParams, load_model
+from cachecraft.api import LLM, LoadedModel, SamplingParams, chat_request, load_model
 from cachecraft.bench.sharegpt import conversation_turns
 from cachecraft.bench.sources import iter_sharegpt
 from cachecraft.config import MODES
 from cachecraft.errors import CachecraftError
-from cachecraft.server.generation import to_rag
-from cachecraft.server.protocol import ChatCompletionRequest
 
 Conversation = list[tuple[str, str]]
 """(role, text) turns, role "user" or "assistant", starting with a user turn."""
@@ -92,8 +90,7 @@ def run_chat_bench(
                 messages.append({"role": role, "content": text})
                 if role != "user":
                     continue
-                body = ChatCompletionRequest(model=loaded.name, messages=messages)
-                rag = to_rag(body, f"bench-chat-{mode}")
+                rag = chat_request(messages, namespace=f"bench-chat-{mode}")
                 report = llms[mode].generate(rag, sampling, mode)[0].report
                 computed = report.tokens_computed + report.probe_cost
                 rows[mode].append((user_turn, report.prompt_tokens, computed, report.ttft_ms))
