@@ -3,7 +3,7 @@ as the server turns a chat into a RagRequest; reuse modes compute only the newes
 
 from __future__ import annotations
 
-from cachecraft.bench.chat_bench import run_chat_bench
+from cachecraft.bench.chat_bench import chat_workload, run_chat_bench
 from cachecraft.model.loader import LoadedModel
 
 LONG = "The Nile flows north through Egypt into the Mediterranean. " * 10  # > 512 characters
@@ -29,3 +29,17 @@ def test_reuse_modes_compute_only_the_newest_turns(tiny: LoadedModel) -> None:
     # of the turns before (the first conversation's long opening turn and reply)
     assert prefix["computed_tokens"] < 0.8 * prefix["prompt_tokens"]
     assert set(prefix["ttft_ms_p50_by_user_turn"]) == {"0", "1", "2"}
+
+
+def test_chat_workload_sends_each_turn_after_the_ones_before() -> None:
+    items = chat_workload(30, active=4)
+    assert len(items) == 30 and len({it.id for it in items}) == 30
+    seen: dict[str, int] = {}
+    for it in items:
+        conv, turn = it.id.split("/t")
+        assert int(turn) > seen.get(conv, -1)  # a conversation's turns in order
+        seen[conv] = int(turn)
+        # every earlier turn is in the request, as chunks of whole turns, none empty
+        assert bool(it.request.chunks) == (int(turn) > 0)
+        assert all(c.id and c.id.startswith("messages[") for c in it.request.chunks)
+    assert max(seen.values()) >= 2  # conversations went on past their first turn

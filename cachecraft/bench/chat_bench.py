@@ -20,10 +20,13 @@ from typing import Any
 from tqdm import tqdm
 
 from cachecraft.api import LLM, LoadedModel, SamplingParams, chat_request, load_model
+from cachecraft.bench.item import WorkloadItem
 from cachecraft.bench.sharegpt import conversation_turns
 from cachecraft.bench.sources import iter_sharegpt
 from cachecraft.config import MODES
 from cachecraft.errors import CachecraftError
+
+SYSTEM = "You are a helpful assistant."
 
 Conversation = list[tuple[str, str]]
 """(role, text) turns, role "user" or "assistant", starting with a user turn."""
@@ -51,6 +54,43 @@ def sharegpt_conversations(
     return out
 
 
+def chat_workload(
+    n: int, active: int = 6, max_turns: int = 8, max_chars: int = 600
+) -> list[WorkloadItem]:
+    """`n` requests of ShareGPT chats as a chat service receives them (`bench serve --workload
+    chat`): `active` conversations at a time take turns, each sending its next user turn with
+    every earlier turn (a conversation's turn t + 1 always comes after its turn t), and one
+    that has no user turn left is replaced by the next conversation. Each request is the
+    RagRequest the server makes of that chat (`chat_request`); its gold answer is the reply
+    the dataset gives."""
+    pool = iter(sharegpt_conversations(max(2 * n, active), 2, max_turns, max_chars))
+    live: list[tuple[int, Conversation, int]] = []  # (conversation number, turns, next turn)
+    started = 0
+    items: list[WorkloadItem] = []
+    while len(items) < n:
+        while len(live) < active:
+            conv = next(pool, None)
+            if conv is None:
+                break
+            live.append((started, conv, 0))
+            started += 1
+        if not live:
+            break
+        c, turns, t = live.pop(0)
+        while t < len(turns) and turns[t][0] != "user":
+            t += 1
+        if t >= len(turns):
+            continue
+        messages = [{"role": "system", "content": SYSTEM}]
+        messages += [{"role": r, "content": text} for r, text in turns[: t + 1]]
+        reply = turns[t + 1][1] if t + 1 < len(turns) else None
+        items.append(
+            WorkloadItem(f"chat{c}/t{t}", chat_request(messages), (reply,) if reply else None)
+        )
+        live.append((c, turns, t + 1))
+    return items
+
+
 def _encodes(text: str) -> bool:
     """Whether `text` is valid Unicode (some ShareGPT records hold lone surrogates, which the
     server refuses with a 400)."""
@@ -69,7 +109,7 @@ def run_chat_bench(
     max_turns: int = 8,
     max_chars: int = 600,
     max_tokens: int = 8,
-    system: str = "You are a helpful assistant.",
+    system: str = SYSTEM,
     progress: Any = None,
 ) -> dict[str, Any]:
     """Every user turn of every conversation in every mode (see the module doc).

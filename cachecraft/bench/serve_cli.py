@@ -69,10 +69,11 @@ def add_bench_serve_parser(
     parser.add_argument("--max-tokens", type=int, default=8, help="answer tokens (short)")
     parser.add_argument(
         "--workload",
-        choices=("wiki-qa", "synthetic"),
+        choices=("wiki-qa", "synthetic", "chat"),
         default="wiki-qa",
         help="wiki-qa: FanOutQA questions with Zipf popularity over BM25 top-5 Wikipedia "
-        "passages; synthetic: Zipf chunk popularity (--chunk-tokens)",
+        "passages; synthetic: Zipf chunk popularity (--chunk-tokens); chat: multi-turn "
+        "ShareGPT chats, six at a time, every turn sent with the ones before",
     )
     parser.add_argument("--zipf", type=float, default=1.0, help="wiki-qa question popularity")
     parser.add_argument(
@@ -102,6 +103,10 @@ def _items(args: argparse.Namespace) -> list:
         from cachecraft.bench.wiki_qa import wiki_qa_zipf
 
         return wiki_qa_zipf(n, seed=args.seed, zipf_s=args.zipf, num_questions=args.questions)
+    if args.workload == "chat":
+        from cachecraft.bench.chat_bench import chat_workload
+
+        return chat_workload(n)
     from cachecraft.bench.synthetic import parse_chunk_tokens, synthetic
 
     return synthetic(n, chunk_tokens=parse_chunk_tokens(args.chunk_tokens), seed=args.seed)
