@@ -61,7 +61,8 @@ class Liveness(NamedTuple):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """token_budget: rows per step (prefill rows computed + 1 per decode); max_running: cap on
-    sequences holding a KV cache; max_queue: waiting requests before QueueFull (HTTP 429);
+    sequences holding a KV cache; max_queue: waiting requests before QueueFull (HTTP 429; a
+    load generator sending hundreds at once, as vLLM's benchmark does, expects them queued);
     kv_pool_mib: most memory of the KV pool (max_running slots) that batches decode attention;
     a request that does not fit gets a cache of its own and decodes alone (0: no pool);
     chunked_prefill: a prefill larger than what is left of a step's budget runs in pieces over
@@ -70,7 +71,7 @@ class EngineConfig:
 
     token_budget: int = 2048
     max_running: int = 16
-    max_queue: int = 64
+    max_queue: int = 1024
     mode: str = "cachecraft"
     kv_pool_mib: int = 4096
     chunked_prefill: bool = True

@@ -38,7 +38,7 @@ class Scheduler:
         self,
         token_budget: int = 2048,
         max_running: int = 16,
-        max_queue: int = 64,
+        max_queue: int = 1024,
         split_prefills: bool = True,
     ):
         if max_running < 1 or max_queue < 1:
