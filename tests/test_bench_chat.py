@@ -3,7 +3,8 @@ as the server turns a chat into a RagRequest; reuse modes compute only the newes
 
 from __future__ import annotations
 
-from cachecraft.bench.chat_bench import chat_workload, run_chat_bench
+from cachecraft.bench.chat import chat_workload
+from cachecraft.bench.chat_bench import run_chat_bench
 from cachecraft.model.loader import LoadedModel
 
 LONG = "The Nile flows north through Egypt into the Mediterranean. " * 10  # > 512 characters

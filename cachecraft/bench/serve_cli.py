@@ -104,7 +104,7 @@ def _items(args: argparse.Namespace) -> list:
 
         return wiki_qa_zipf(n, seed=args.seed, zipf_s=args.zipf, num_questions=args.questions)
     if args.workload == "chat":
-        from cachecraft.bench.chat_bench import chat_workload
+        from cachecraft.bench.chat import chat_workload
 
         return chat_workload(n)
     from cachecraft.bench.synthetic import parse_chunk_tokens, synthetic
