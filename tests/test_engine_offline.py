@@ -19,6 +19,7 @@ from cachecraft.model.loader import LoadedModel
 from cachecraft.model.reference import greedy_tokens
 from cachecraft.model.step import SeqWork
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.store.config import StoreConfig
 
 DOCS = [
     "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889.",
@@ -77,6 +78,26 @@ def test_requests_given_together_are_batched_and_equal_alone(tiny_dir: Path) -> 
     # one prefill step for all three, then one batched decode step per token
     assert llm.engine.num_steps - steps_before == STEPS
     assert max(s.num_decodes for s in llm.engine.recent_steps) == 3
+
+
+@pytest.mark.parametrize("mode", ["prefix", "cachecraft"])
+def test_a_chunk_being_computed_is_waited_for_not_computed_twice(tiny_dir: Path, mode: str) -> None:
+    """Requests given together that miss the same chunks: the first computes them, the others
+    start one step later and reuse what it stored (exactly: same place, same chunks in front),
+    answering as a full prefill does. `full` never waits."""
+    greedy = SamplingParams(max_tokens=STEPS, ignore_eos=True)
+    requests = [_req([0, 1], q) for q in ("Which one?", "Where is it?", "How old is it?")]
+    alone = [LLM(str(tiny_dir)).generate(r, greedy, "full")[0].token_ids for r in requests]
+    exact = StoreConfig(storage_dtype="float32")  # exact reuse splices bit-identical K/V
+    outs = LLM(str(tiny_dir), store=exact).generate(requests, greedy, mode)
+    assert [o.token_ids for o in outs] == alone
+    first, *later = (o.report for o in outs)
+    assert not any(c.is_hit for c in first.chunks)
+    for report in later:
+        assert all(c.is_hit and c.is_exact and c.tokens_recomputed == 0 for c in report.chunks)
+        assert report.tokens_computed < first.tokens_computed
+    plain = LLM(str(tiny_dir)).generate(requests, greedy, "full")
+    assert all(not any(c.is_hit for c in o.report.chunks) for o in plain)
 
 
 def test_a_bad_request_in_a_batch_leaves_the_engine_empty(tiny_dir: Path) -> None:

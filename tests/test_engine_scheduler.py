@@ -147,3 +147,22 @@ def test_no_splitting_when_the_scheduler_is_told_not_to() -> None:
     s.add(big)
     out = s.schedule()  # oversize and alone: the whole prefill in one step, as before
     assert (out.prefill_ids, out.prefill_rows) == (["big"], [25])
+
+
+def test_postpone_puts_a_started_request_back_at_the_head() -> None:
+    s = Scheduler(token_budget=10, max_running=4, max_queue=8)
+    for rid in ("a", "b", "c"):
+        s.add(seq(rid, 3))
+    out = s.schedule()
+    assert out.prefill_ids == ["a", "b", "c"]
+    s.postpone("c")
+    s.postpone("b")  # the engine postpones in reverse: the queue keeps their order
+    s.prefilled("a")
+    s.check_integrity()
+    assert [x.request_id for x in s.waiting] == ["b", "c"]
+    assert [x.request_id for x in s.running] == ["a"]
+    assert step(s) == (["b", "c"], ["a"])
+    with pytest.raises(ValueError, match="started"):
+        s.postpone("a")  # decoding
+    with pytest.raises(KeyError):
+        s.postpone("nobody")

@@ -86,6 +86,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+class Offer(NamedTuple):
+    """A chunk computed in full by a prefill under way, whose variant the store will take:
+    its key, the keys in front of it (the prefix's, then the chunks') and whether its K/V will
+    be exact."""
+
+    key: str
+    context: tuple[str, ...]
+    is_exact: bool
+
+
 @dataclass(slots=True)
 class _Live:
     """Engine-thread state of one request (the tensors the scheduler never sees)."""
@@ -112,6 +122,8 @@ class _Live:
     step it finished in."""
     pieces: list[SeqResult] = field(default_factory=list)
     """Results of the pieces of a chunked prefill computed so far."""
+    offers: frozenset[Offer] = frozenset()
+    """The chunk-caches its prefill will offer the store (set when it starts)."""
 
 
 class Engine:
@@ -377,15 +389,30 @@ class Engine:
         return live.job is None or live.state.num_done_rows == 0
 
     def _start_all(self, lives: list[_Live]) -> None:
-        """Start the prefills of this step: splice each, run all their probes through ONE
-        forward (one pass over the weights for all; if it fails, each alone so that only
-        failing ones fail), build the jobs. A request that fails here fails alone."""
+        """Start the prefills of this step: plan and splice each, run all their probes through
+        ONE forward (one pass over the weights for all; if it fails, each alone so that only
+        failing ones fail), build the jobs. A request that fails here fails alone. One that
+        would compute a chunk another prefill under way is computing into a variant it could
+        reuse goes back to the head of the queue instead (`_waits_for`): it starts once that
+        variant is stored, rather than computing the chunk a second time beside it."""
         spliced: list[tuple[_Live, Spliced]] = []
+        later: list[str] = []  # wait for a chunk another prefill computes (`_waits_for`)
+        in_flight = {
+            o for live in self._live.values() if self._is_prefilling(live) for o in live.offers
+        }
         for live in lives:
             try:
-                spliced.append((live, self._splice(live)))
+                plan = self._plan(live)
+                if live.job is None and _waits_for(plan, live.mode, in_flight):
+                    later.append(live.handle.request_id)
+                    continue
+                live.offers = self._offers(plan)
+                in_flight |= live.offers
+                spliced.append((live, self._splice(live, plan)))
             except Exception as e:
                 self._fail(live.handle.request_id, e)
+        for rid in reversed(later):  # back at the head of the queue, in their order
+            self.scheduler.postpone(rid)
         probes = [(live, s) for live, s in spliced if s.probe is not None]
         results: dict[str, SeqResult | None] = {}
         if probes:
@@ -411,14 +438,14 @@ class Engine:
                 s.loader.close()
                 self._fail(rid, e)
 
-    def _splice(self, live: _Live) -> Spliced:
+    def _splice(self, live: _Live, plan: RecomputePlan | None = None) -> Spliced:
         """Plan again (variants stored while this request waited, by requests admitted before
-        it, become hits; metadata only, so cheap) and splice its KV. A chunk-cache found corrupt
-        while splicing (a probe reads every layer up front) was dropped by the store, so
-        planning once more makes it a miss."""
+        it, become hits; metadata only, so cheap; `plan`: made just now) and splice its KV. A
+        chunk-cache found corrupt while splicing (a probe reads every layer up front) was
+        dropped by the store, so planning once more makes it a miss."""
         assert live.state is not None
         for attempt in range(2):
-            live.plan = self._plan(live)
+            live.plan = plan if plan is not None and attempt == 0 else self._plan(live)
             try:
                 extra = live.state.max_tokens + len(live.options.forced if live.options else ())
                 if live.kv is None:
@@ -443,6 +470,22 @@ class Engine:
 
     def _plan(self, live: _Live) -> RecomputePlan:
         return self.runner.plan(live.request, live.mode, live.budgets, layout=live.layout)
+
+    @staticmethod
+    def _is_prefilling(live: _Live) -> bool:
+        return live.job is not None and live.state is not None and live.outcome is None
+
+    def _offers(self, plan: RecomputePlan) -> frozenset[Offer]:
+        """The chunk-caches `plan`'s prefill will offer the store that it would admit."""
+        if not plan.make_variants:
+            return frozenset()
+        keys = [plan.layout.prefix_key, *(c.slot.key for c in plan.chunks)]
+        store = self.runner.store
+        return frozenset(
+            Offer(c.slot.key, tuple(keys[: i + 1]), c.is_exact)
+            for i, c in enumerate(plan.chunks)
+            if c.variant is None and store.would_admit(c.slot.key)
+        )
 
     def _forward_isolated(
         self,
@@ -570,8 +613,8 @@ class Engine:
         self._start_all([self._live[rid] for rid in starting])
         for rid, count in zip(out.prefill_ids, out.prefill_rows, strict=True):
             live = self._live.get(rid)
-            if live is None:
-                continue  # failed to start
+            if live is None or live.job is None:
+                continue  # failed to start, or waits for a chunk another request computes
             state = live.state
             assert live.plan is not None and state is not None and live.job is not None
             if rid in starting:
@@ -717,3 +760,22 @@ class Engine:
 
 
 __all__ = ["Engine", "EngineConfig", "EngineStopped", "RequestExtras", "RequestOptions", "StepStat"]
+
+
+def _waits_for(plan: RecomputePlan, mode: str, in_flight: set[Offer]) -> bool:
+    """Whether a chunk `plan` computes in full is being computed, by a prefill under way, into
+    a variant this request could reuse: starting a step later (after that prefill stores it)
+    then spares computing it twice. Any variant of the chunk serves the modes that reuse
+    approximately; `prefix` only an exact one made in exactly this place; `full` none."""
+    if mode == "full" or not in_flight:
+        return False
+    keys = [plan.layout.prefix_key, *(c.slot.key for c in plan.chunks)]
+    for i, c in enumerate(plan.chunks):
+        if c.variant is not None:
+            continue
+        for o in in_flight:
+            if o.key != c.slot.key:
+                continue
+            if mode != "prefix" or (o.is_exact and o.context == tuple(keys[: i + 1])):
+                return True
+    return False

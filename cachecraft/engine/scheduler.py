@@ -102,6 +102,19 @@ class Scheduler:
             left -= rows
         return SchedulerOutput(prefill_ids, decode_ids, prefill_rows)
 
+    def postpone(self, request_id: str) -> None:
+        """Put a request admitted in this step's schedule, none of its prefill run, back at
+        the head of the waiting queue (it starts in a later step)."""
+        for i, s in enumerate(self.running):
+            if s.request_id == request_id:
+                if s.status is not Status.PREFILL or s.num_done_rows:
+                    raise ValueError(f"request {request_id} has started its prefill")
+                del self.running[i]
+                s.status = Status.WAITING
+                self.waiting.appendleft(s)
+                return
+        raise KeyError(request_id)
+
     def prefilled(self, request_id: str) -> None:
         """The request's prefill ran; from the next step on it decodes."""
         for s in self.running:
