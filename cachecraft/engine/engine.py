@@ -473,6 +473,7 @@ class Engine:
 
     @staticmethod
     def _is_prefilling(live: _Live) -> bool:
+        """Its prefill started and has not finished (its new variants are not stored yet)."""
         return live.job is not None and live.state is not None and live.outcome is None
 
     def _offers(self, plan: RecomputePlan) -> frozenset[Offer]:
@@ -759,9 +760,6 @@ class Engine:
         return live.extras
 
 
-__all__ = ["Engine", "EngineConfig", "EngineStopped", "RequestExtras", "RequestOptions", "StepStat"]
-
-
 def _waits_for(plan: RecomputePlan, mode: str, in_flight: set[Offer]) -> bool:
     """Whether a chunk `plan` computes in full is being computed, by a prefill under way, into
     a variant this request could reuse: starting a step later (after that prefill stores it)
@@ -779,3 +777,6 @@ def _waits_for(plan: RecomputePlan, mode: str, in_flight: set[Offer]) -> bool:
             if mode != "prefix" or (o.is_exact and o.context == tuple(keys[: i + 1])):
                 return True
     return False
+
+
+__all__ = ["Engine", "EngineConfig", "EngineStopped", "RequestExtras", "RequestOptions", "StepStat"]
