@@ -480,11 +480,10 @@ class Engine:
         """The chunk-caches `plan`'s prefill will offer the store that it would admit."""
         if not plan.make_variants:
             return frozenset()
-        keys = [plan.layout.prefix_key, *(c.slot.key for c in plan.chunks)]
         store = self.runner.store
         return frozenset(
-            Offer(c.slot.key, tuple(keys[: i + 1]), c.is_exact)
-            for i, c in enumerate(plan.chunks)
+            Offer(c.slot.key, front, c.is_exact)
+            for c, front in zip(plan.chunks, _in_front(plan), strict=True)
             if c.variant is None and store.would_admit(c.slot.key)
         )
 
@@ -767,16 +766,18 @@ def _waits_for(plan: RecomputePlan, mode: str, in_flight: set[Offer]) -> bool:
     approximately; `prefix` only an exact one made in exactly this place; `full` none."""
     if mode == "full" or not in_flight:
         return False
-    keys = [plan.layout.prefix_key, *(c.slot.key for c in plan.chunks)]
-    for i, c in enumerate(plan.chunks):
-        if c.variant is not None:
-            continue
-        for o in in_flight:
-            if o.key != c.slot.key:
-                continue
-            if mode != "prefix" or (o.is_exact and o.context == tuple(keys[: i + 1])):
-                return True
-    return False
+    return any(
+        o.key == c.slot.key and (mode != "prefix" or (o.is_exact and o.context == front))
+        for c, front in zip(plan.chunks, _in_front(plan), strict=True)
+        if c.variant is None
+        for o in in_flight
+    )
+
+
+def _in_front(plan: RecomputePlan) -> list[tuple[str, ...]]:
+    """Per chunk of `plan`, the keys in front of it: the prefix's, then the chunks' before it."""
+    keys = (plan.layout.prefix_key, *(c.slot.key for c in plan.chunks))
+    return [keys[: i + 1] for i in range(len(plan.chunks))]
 
 
 __all__ = ["Engine", "EngineConfig", "EngineStopped", "RequestExtras", "RequestOptions", "StepStat"]

@@ -72,19 +72,20 @@ def history_chunks(turns: list[tuple[int, str]]) -> list[Chunk]:
     They are chunk-caches like documents: the conversation's next request sends them again,
     unchanged, in the same order, after the same system prompt, so its closed chunks are
     reused exactly (nothing recomputed) and only the last, still open one and the question are
-    computed, as a prefix cache serves a chat. They go before the documents: a conversation only grows at its end, while the
-    documents may change with every question."""
+    computed, as a prefix cache serves a chat. They go before the documents: a conversation
+    only grows at its end, while the documents may change with every question."""
     out: list[Chunk] = []
     texts: list[str] = []
-    first = 0
+    size = first = 0
     for j, (i, text) in enumerate(turns):
         if not texts:
             first = i
         texts.append(text)
-        if sum(map(len, texts)) >= HISTORY_CHUNK_CHARS or j == len(turns) - 1:
+        size += len(text)
+        if size >= HISTORY_CHUNK_CHARS or j == len(turns) - 1:
             label = f"messages[{first}]" if first == i else f"messages[{first}:{i + 1}]"
             out.append(Chunk("\n".join(texts), label))
-            texts = []
+            texts, size = [], 0
     return out
 
 
