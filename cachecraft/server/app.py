@@ -376,7 +376,7 @@ def create_app(
         check_fields(body)
         check_documents(body.documents)
         ns = scoped(base_ns, body.cache_namespace)
-        rag = to_rag(body, ns)
+        rag = to_rag(body, ns, config)
         if rag.chunks:  # what other replicas deleted must not be served from memory here
             await asyncio.to_thread(chunks.follow_registry, store, state.registry)
         sampling = sampling_of(body, config)

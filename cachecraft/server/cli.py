@@ -115,6 +115,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="characters of message / prompt / system text per request (413 above)",
     )
     p.add_argument(
+        "--pasted-chunk-chars",
+        type=int,
+        default=server.pasted_chunk_chars,
+        help="cut context pasted into the last message at blank lines into chunk-caches, a "
+        "paragraph of this many characters closing a chunk (0: never)",
+    )
+    p.add_argument(
         "--max-request-bytes",
         type=int,
         default=server.max_request_bytes,
@@ -167,6 +174,7 @@ def main_serve(args: argparse.Namespace) -> int:
             max_documents=args.max_documents,
             max_document_chars=args.max_document_chars,
             max_prompt_chars=args.max_prompt_chars,
+            pasted_chunk_chars=args.pasted_chunk_chars,
             max_request_bytes=args.max_request_bytes,
             watchdog_s=args.watchdog_s,
             metrics_public=args.metrics_public,

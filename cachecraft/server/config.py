@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cachecraft.server.split import PASTED_CHUNK_CHARS
+
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
@@ -24,6 +26,10 @@ class ServerConfig:
     than its length (bundled model, one thread: 573 tokens 2.0 s, 2,427 tokens 21.9 s), so
     this bounds how long one document can hold every other request."""
     max_prompt_chars: int = 32000
+    pasted_chunk_chars: int = PASTED_CHUNK_CHARS
+    """Context pasted into the last message (or a completion's prompt) is cut at blank lines
+    into chunk-caches, a paragraph this long closing a chunk (`server/split.py`); 0: never,
+    the whole message is the question."""
     max_request_bytes: int = 4 * 1024 * 1024
     watchdog_s: float = 120.0
     metrics_public: bool = False
@@ -39,5 +45,7 @@ class ServerConfig:
             raise ValueError("max_documents must be >= 0 and max_document_chars >= 1")
         if min(self.max_prompt_chars, self.max_request_bytes) < 1:
             raise ValueError("max_prompt_chars and max_request_bytes must be >= 1")
+        if self.pasted_chunk_chars < 0:
+            raise ValueError("pasted_chunk_chars must be >= 0 (0: do not cut pasted context)")
         if self.watchdog_s <= 0 or self.shutdown_timeout_s < 0:
             raise ValueError("watchdog_s must be > 0 and shutdown_timeout_s >= 0")

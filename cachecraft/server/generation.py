@@ -23,6 +23,7 @@ from cachecraft.engine.sampling import SamplingParams
 from cachecraft.engine.text import TextStream
 from cachecraft.errors import BadRequestError, CachecraftError
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.server.config import ServerConfig
 from cachecraft.server.protocol import (
     SEED_MAX,
     ChatCompletionRequest,
@@ -31,18 +32,21 @@ from cachecraft.server.protocol import (
     error_body,
     usage,
 )
-
-HISTORY_CHUNK_CHARS = 512
-"""Earlier turns are gathered, from the first on, into chunks of at least this many characters
-(a turn is never split): one short turn ("ok", "thanks") is too small to be worth a
-chunk-cache of its own, and a long chat stays a few dozen chunks. Where a chunk ends depends
-only on the turns before, so the next request of a conversation closes the same chunks."""
+from cachecraft.server.split import history_chunks, pasted_chunks
 
 
-def to_rag(body: ChatCompletionRequest | CompletionRequest, namespace: str) -> RagRequest:
-    """system messages -> system; last user message -> question; earlier turns (tool results
-    included) -> chunks (`history_chunks`), then the documents -> chunks. A completion's prompt
-    is the question."""
+def to_rag(
+    body: ChatCompletionRequest | CompletionRequest,
+    namespace: str,
+    config: ServerConfig | None = None,
+) -> RagRequest:
+    """system messages -> system; earlier turns (tool results included) -> chunks
+    (`history_chunks`), then the documents -> chunks; the last user message (a completion's
+    prompt) -> chunks of the context pasted into it (`pasted_chunks` with the server's
+    `pasted_chunk_chars`, none when 0, and `max_document_chars`), the rest of it -> the
+    question."""
+    config = config or ServerConfig()
+    split = config.pasted_chunk_chars, config.max_document_chars
     chunks = _chunks(body.documents)
     if isinstance(body, CompletionRequest):
         prompt = body.prompt if isinstance(body.prompt, str) else None
@@ -50,43 +54,24 @@ def to_rag(body: ChatCompletionRequest | CompletionRequest, namespace: str) -> R
             if len(body.prompt) != 1:
                 raise BadRequestError("prompt: give one string (batched prompts are not supported)")
             prompt = body.prompt[0]
-        return RagRequest(prompt, chunks, namespace=namespace)
+        pasted, question = pasted_chunks(prompt, "prompt", *split)
+        return RagRequest(question, chunks + pasted, namespace=namespace)
     system = "\n".join(m.text() for m in body.messages if m.role in ("system", "developer"))
     turns = [(i, m) for i, m in enumerate(body.messages) if m.role in ("user", "assistant", "tool")]
     if not turns:
         raise BadRequestError("messages: there is no user message; give the question as one")
-    if turns[-1][1].role != "user":
+    last, message = turns[-1]
+    if message.role != "user":
         raise BadRequestError(
             f"messages: the last message (after any system ones) must be from the user, not "
-            f"{turns[-1][1].role!r}: this server answers a user's question"
+            f"{message.role!r}: this server answers a user's question"
         )
-    history = history_chunks([(i, f"{m.role}: {m.text()}") for i, m in turns[:-1]])
-    question = turns[-1][1].text()
-    return RagRequest(question, history + chunks, system=system or None, namespace=namespace)
-
-
-def history_chunks(turns: list[tuple[int, str]]) -> list[Chunk]:
-    """A conversation's earlier turns, (index in `messages`, "role: text") in order, as chunks
-    of whole turns (`HISTORY_CHUNK_CHARS`), labelled by the messages they hold.
-
-    They are chunk-caches like documents: the conversation's next request sends them again,
-    unchanged, in the same order, after the same system prompt, so its closed chunks are
-    reused exactly (nothing recomputed) and only the last, still open one and the question are
-    computed, as a prefix cache serves a chat. They go before the documents: a conversation
-    only grows at its end, while the documents may change with every question."""
-    out: list[Chunk] = []
-    texts: list[str] = []
-    size = first = 0
-    for j, (i, text) in enumerate(turns):
-        if not texts:
-            first = i
-        texts.append(text)
-        size += len(text)
-        if size >= HISTORY_CHUNK_CHARS or j == len(turns) - 1:
-            label = f"messages[{first}]" if first == i else f"messages[{first}:{i + 1}]"
-            out.append(Chunk("\n".join(texts), label))
-            texts, size = [], 0
-    return out
+    history = history_chunks([(i, m.role, m.text()) for i, m in turns[:-1]], *split)
+    where = f"messages[{last}]"
+    pasted, question = pasted_chunks(message.text(), where, *split)
+    return RagRequest(
+        question, history + chunks + pasted, system=system or None, namespace=namespace
+    )
 
 
 def _chunks(documents: list[Document]) -> list[Chunk]:

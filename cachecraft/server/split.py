@@ -1,0 +1,120 @@
+"""How a request's own text becomes chunk-caches: a chat's earlier turns (`history_chunks`)
+and context pasted into the last message or a completion's prompt (`pasted_chunks`).
+
+Clients that use the `documents` field say where each chunk begins and ends. Most clients do
+not: a chat sends its whole conversation again every turn, and a RAG client (LangChain's or
+LlamaIndex's prompt templates, a hand-written one) pastes its retrieved passages into one
+message, separated by blank lines. Both rules cut only where the text itself does (a turn, a
+blank line), so the same turn or passage is the same chunk, with the same key, in every request
+that carries it, wherever it stands.
+"""
+
+from __future__ import annotations
+
+import re
+
+from cachecraft.request import Chunk
+
+HISTORY_CHUNK_CHARS = 512
+"""Earlier turns are gathered, from the first on, into chunks of at least this many characters
+(a turn is never split): one short turn ("ok", "thanks") is too small to be worth a
+chunk-cache of its own, and a long chat stays a few dozen chunks. Where a chunk ends depends
+only on the turns before, so the next request of a conversation closes the same chunks."""
+
+PASTED_CHUNK_CHARS = 256
+"""A paragraph of pasted text this long (~60 tokens) closes a chunk; shorter ones (a heading,
+an instruction line, a source label) join the next long one. So where a chunk ends depends on
+its own paragraphs only, never on what came before it, and a passage pasted after different
+ones is still the same chunk."""
+
+BLANK_LINE = re.compile(r"\n[^\S\n]*\n\s*")
+"""A paragraph break: a newline, an empty or blank line, and any further blank lines."""
+
+
+def history_chunks(
+    turns: list[tuple[int, str, str]],
+    pasted_chars: int = PASTED_CHUNK_CHARS,
+    max_chars: int | None = None,
+) -> list[Chunk]:
+    """A conversation's earlier turns, (index in `messages`, role, text) in order, as chunks
+    of whole turns written "role: text" (`HISTORY_CHUNK_CHARS`), labelled by the messages they
+    hold. A user turn's pasted context (`pasted_chunks`) is cut into the very chunks it made
+    when that turn was the question, ahead of "user: " and the rest of the turn; they close
+    the turns gathered before them, as the end of the history closed them then.
+
+    They are chunk-caches like documents: the conversation's next request sends them again,
+    unchanged, in the same order, after the same system prompt, so its closed chunks are
+    reused exactly (nothing recomputed) and only the last, still open one and the question are
+    computed, as a prefix cache serves a chat. They go before the documents: a conversation
+    only grows at its end, while the documents may change with every question."""
+    out: list[Chunk] = []
+    texts: list[str] = []
+    size = first = last = 0
+
+    def close() -> None:
+        nonlocal texts, size
+        label = f"messages[{first}]" if first == last else f"messages[{first}:{last + 1}]"
+        out.append(Chunk("\n".join(texts), label))
+        texts, size = [], 0
+
+    for i, role, text in turns:
+        if role == "user":
+            pasted, text = pasted_chunks(text, f"messages[{i}]", pasted_chars, max_chars)
+            if pasted and texts:
+                close()
+            out.extend(pasted)
+        if not texts:
+            first = i
+        texts.append(f"{role}: {text}")
+        size += len(texts[-1])
+        last = i
+        if size >= HISTORY_CHUNK_CHARS:
+            close()
+    if texts:
+        close()
+    return out
+
+
+def pasted_chunks(
+    text: str, where: str, min_chars: int = PASTED_CHUNK_CHARS, max_chars: int | None = None
+) -> tuple[list[Chunk], str]:
+    """(chunks, rest): the paragraphs of `text` before its last one as chunks, the rest as the
+    question. A paragraph of at least `min_chars` closes a chunk together with the shorter ones
+    just before it (a source label, a heading), except that the short ones before the first
+    long one are a chunk of their own: that preamble is a client's instruction, the same in
+    every request, and glued to the first passage it would make that passage a new chunk
+    wherever it is pasted first. Short paragraphs after the last long one, and the last
+    paragraph, stay in the question. A chunk over `max_chars` (the server's
+    `max_document_chars`) and everything after it stay in the question too.
+
+    Chunks are exact slices of `text` and the rest is its exact tail; the blank lines after a
+    chunk become the layout's one blank line. Labels name the paragraphs:
+    `messages[3].paragraphs[0:2]`. `min_chars` 0: no chunks."""
+    if min_chars <= 0:
+        return [], text
+    breaks = list(BLANK_LINE.finditer(text))
+    ends = [m.start() for m in breaks] + [len(text)]
+    starts = [0] + [m.end() for m in breaks]
+    last = max((k for k in range(len(ends)) if text[starts[k] : ends[k]].strip()), default=0)
+    chunks: list[Chunk] = []
+    first = 0  # the first paragraph not yet in a chunk
+
+    def close(k: int) -> bool:
+        body = text[starts[first] : ends[k]]
+        if max_chars is not None and len(body) > max_chars:
+            return False
+        label = f"paragraphs[{k}]" if first == k else f"paragraphs[{first}:{k + 1}]"
+        chunks.append(Chunk(body, f"{where}.{label}"))
+        return True
+
+    for k in range(last):
+        if len(text[starts[k] : ends[k]].strip()) < min_chars:
+            continue
+        if not chunks and first < k and text[starts[0] : ends[k - 1]].strip():
+            if not close(k - 1):  # the preamble
+                break
+            first = k
+        if not close(k):
+            break
+        first = k + 1
+    return chunks, text[starts[first] :]

@@ -1,0 +1,197 @@
+"""Pasted context -> chunk-caches (server/split.py `pasted_chunks`), and how the server's
+request conversion uses it: the rules on plain strings, the prompt a pasted RAG request lays
+out (the tokenizer only), and two requests through a live server on the tiny random Llama."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from test_server import client
+
+from cachecraft.api import chat_request, prompt_token_ids
+from cachecraft.model.loader import LoadedModel
+from cachecraft.request import Chunk, RagRequest
+from cachecraft.server.config import ServerConfig
+from cachecraft.server.generation import to_rag
+from cachecraft.server.launch import start_server
+from cachecraft.server.protocol import CompletionRequest
+from cachecraft.server.split import history_chunks, pasted_chunks
+from cachecraft.store.config import StoreConfig
+
+PASSAGES = [
+    "The Danube rises in the Black Forest and flows east for 2,850 km through ten countries, "
+    "more than any other river in the world, before it reaches the Black Sea in Romania. "
+    "Vienna, Bratislava, Budapest and Belgrade all stand on its banks, and it was once a "
+    "frontier of the Roman Empire.",
+    "Marie Curie was the first person to win Nobel Prizes in two sciences: physics in 1903, "
+    "shared with Pierre Curie and Henri Becquerel, and chemistry in 1911 for the discovery of "
+    "polonium and radium. She founded the Radium Institute in Paris and died there in 1934.",
+    "The Great Barrier Reef, off the coast of Queensland, is the largest coral reef system on "
+    "Earth: nearly 3,000 reefs and 900 islands over some 344,400 square kilometres. It can be "
+    "seen from space and has been a World Heritage Site since 1981; bleaching threatens it.",
+]
+
+
+def rag_prompt(passages: list[str], question: str) -> str:
+    """A RAG client's prompt template: an instruction, the passages, the question."""
+    context = "\n\n".join(passages)
+    return f"Use the context below.\n\n{context}\n\nQuestion: {question}"
+
+
+def test_each_long_paragraph_is_a_chunk_after_the_preamble() -> None:
+    text = rag_prompt(PASSAGES, "Which river?") + "\n\n"
+    chunks, rest = pasted_chunks(text, "messages[1]")
+    assert [c.text for c in chunks] == ["Use the context below.", *PASSAGES]
+    assert [c.id for c in chunks] == [f"messages[1].paragraphs[{k}]" for k in range(4)]
+    assert rest == "Question: Which river?\n\n"  # the exact tail: trailing blank lines kept
+    # nothing is lost: the chunks and the rest are the text, blank lines between them
+    assert "\n\n".join([c.text for c in chunks] + [rest]) == text
+
+
+def test_short_paragraphs_join_the_next_long_one() -> None:
+    text = "\n\n".join(["Sources:", "[1] Curie", PASSAGES[1], "[2] Reef", PASSAGES[2], "Q?"])
+    chunks, rest = pasted_chunks(text, "prompt")
+    assert [c.text for c in chunks] == [
+        "Sources:\n\n[1] Curie",  # before the first long paragraph: the preamble
+        PASSAGES[1],
+        "[2] Reef\n\n" + PASSAGES[2],  # a label goes with the passage after it
+    ]
+    assert [c.id for c in chunks] == [
+        "prompt.paragraphs[0:2]",
+        "prompt.paragraphs[2]",
+        "prompt.paragraphs[3:5]",
+    ]
+    assert rest == "Q?"
+
+
+def test_a_passage_is_the_same_chunk_wherever_it_is_pasted() -> None:
+    a, _ = pasted_chunks("\n\n".join([PASSAGES[0], PASSAGES[1], "Q?"]), "m")
+    b, _ = pasted_chunks("\n\n".join([PASSAGES[2], PASSAGES[1], PASSAGES[0], "Q?"]), "m")
+    assert {c.text for c in a} <= {c.text for c in b}
+
+
+def test_the_last_paragraph_is_always_the_question() -> None:
+    chunks, rest = pasted_chunks("\n\n".join(PASSAGES), "prompt")
+    assert [c.text for c in chunks] == PASSAGES[:2] and rest == PASSAGES[2]
+    chunks, rest = pasted_chunks(PASSAGES[0] + "\n\n \n\t\n\n", "prompt")
+    assert chunks == [] and rest == PASSAGES[0] + "\n\n \n\t\n\n"  # blank tail: no question
+
+
+@pytest.mark.parametrize(
+    ("text", "kwargs"),
+    [
+        (" ".join(PASSAGES) + " Q?", {}),  # no blank line: one paragraph
+        ("\n\n".join([*PASSAGES, "Q?"]), {"min_chars": 0}),  # switched off
+        ("\n\n".join([" " * 400 + "\nx", "Q?"]), {}),  # long only in white space
+    ],
+)
+def test_no_chunks(text: str, kwargs: dict[str, int]) -> None:
+    assert pasted_chunks(text, "prompt", **kwargs) == ([], text)
+
+
+def test_an_oversized_chunk_and_all_after_it_stay_in_the_question() -> None:
+    long = PASSAGES[1] * 3
+    text = "\n\n".join([PASSAGES[0], long, PASSAGES[2], "Q?"])
+    chunks, rest = pasted_chunks(text, "prompt", max_chars=len(long) - 1)
+    assert [c.text for c in chunks] == [PASSAGES[0]]  # order kept: nothing after the big one
+    assert rest == "\n\n".join([long, PASSAGES[2], "Q?"])
+
+
+def test_history_cuts_a_user_turn_as_it_was_cut_when_it_was_the_question() -> None:
+    asked = rag_prompt(PASSAGES[:2], "Who?")
+    now, question = pasted_chunks(asked, "messages[2]")
+    turns = [(0, "user", "Hi."), (1, "assistant", "Hello."), (2, "user", asked)]
+    before = history_chunks(turns[:2])
+    assert [c.id for c in before] == ["messages[0:2]"]  # the open chunk when turn 2 was asked
+    after = history_chunks([*turns, (3, "assistant", "Curie.")])
+    assert after[: len(before)] == before  # closed by the pasted context as by the end then
+    assert after[len(before) : -1] == now
+    assert after[-1] == Chunk(f"user: {question}\nassistant: Curie.", "messages[2:4]")
+    # a turn without pasted context is gathered as before
+    plain = history_chunks([(0, "user", "Hi."), (1, "assistant", "Hello."), (2, "user", "Hm.")])
+    assert [c.text for c in plain] == ["user: Hi.\nassistant: Hello.\nuser: Hm."]
+
+
+def test_a_pasted_rag_prompt_lays_out_as_its_documents_would(tiny: LoadedModel) -> None:
+    """Passages pasted with blank lines between them, the question last, make the prompt
+    that the same passages sent as `documents` make: same chunks, same token ids."""
+    documents = RagRequest("Which river?", [Chunk(p) for p in PASSAGES], system="Be brief.")
+    pasted = chat_request(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "\n\n".join([*PASSAGES, "Which river?"])},
+        ]
+    )
+    assert [c.text for c in pasted.chunks] == PASSAGES and pasted.question == "Which river?"
+    tokenizer = tiny.tokenizer
+    assert prompt_token_ids(pasted, tokenizer) == prompt_token_ids(documents, tokenizer)
+
+
+def test_documents_then_pasted_chunks_and_the_switch() -> None:
+    body = CompletionRequest(prompt=rag_prompt(PASSAGES[:2], "Who?"), documents=[{"text": "D."}])
+    rag = to_rag(body, "default")
+    labels = [None, *(f"prompt.paragraphs[{k}]" for k in range(3))]
+    assert [c.id for c in rag.chunks] == labels
+    assert rag.question == "Question: Who?"
+    off = to_rag(body, "default", ServerConfig(pasted_chunk_chars=0))
+    assert [c.text for c in off.chunks] == ["D."] and off.question == body.prompt
+    with pytest.raises(ValueError, match="pasted_chunk_chars"):
+        ServerConfig(pasted_chunk_chars=-1)
+
+
+def test_passages_pasted_in_a_new_order_are_reused(tiny: LoadedModel) -> None:
+    """A RAG client that pastes its passages into the message: the second request pastes the
+    first one's two passages in another order after a new one, and the server reuses the
+    instruction in front of them exactly and both passages at their new positions."""
+    exact = StoreConfig(storage_dtype="float32")
+
+    def ask(url: str, passages: list[str], question: str) -> openai.types.chat.ChatCompletion:
+        return client(url).chat.completions.create(
+            model="cachecraft",
+            messages=[{"role": "user", "content": rag_prompt(passages, question)}],
+            max_tokens=6,
+            temperature=0,
+        )
+
+    with start_server("cachecraft", loaded=tiny, store=exact) as base:
+        first = ask(base, PASSAGES[:2], "Who won two Nobel Prizes?")
+        chunks = first.usage.model_extra["cachecraft"]["chunks"]
+        assert len(chunks) == 3 and not any(c["is_hit"] for c in chunks)
+        second = ask(base, [PASSAGES[2], PASSAGES[1], PASSAGES[0]], "Where is the reef?")
+        report = second.usage.model_extra["cachecraft"]["chunks"]
+        assert [c["is_hit"] for c in report] == [True, False, True, True]
+        preamble = report[0]
+        assert preamble["is_exact"] and preamble["tokens_recomputed"] == 0  # same place
+        hits = [c for c in report if c["is_hit"]]
+        assert all(c["tokens_recomputed"] < c["num_tokens"] for c in hits)
+        reused = sum(c["num_tokens"] - c["tokens_recomputed"] for c in hits)
+        assert second.usage.prompt_tokens_details.cached_tokens >= reused
+
+
+def test_a_chat_reuses_the_context_pasted_into_its_earlier_turn_exactly(tiny: LoadedModel) -> None:
+    """The next request of a RAG chat carries the earlier turn's pasted passages in its
+    history: cut as they were then, at the same place, so reused exactly."""
+    exact = StoreConfig(storage_dtype="float32")
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": rag_prompt(PASSAGES[:2], "Who won two Nobel Prizes?")},
+        {"role": "assistant", "content": "Marie Curie."},
+        {"role": "user", "content": "In which years?"},
+    ]
+    with start_server("cachecraft", loaded=tiny, store=exact) as base:
+
+        def turn(n: int) -> list[dict[str, object]]:
+            return (
+                client(base)
+                .chat.completions.create(
+                    model="cachecraft", messages=chat[:n], max_tokens=4, temperature=0
+                )
+                .usage.model_extra["cachecraft"]["chunks"]
+            )
+
+        first = turn(2)
+        assert [c["label"] for c in first] == [f"messages[1].paragraphs[{k}]" for k in range(3)]
+        second = turn(4)
+        assert [c["label"] for c in second] == [c["label"] for c in first] + ["messages[1:3]"]
+        for c in second[:3]:
+            assert c["is_hit"] and c["is_exact"] and c["tokens_recomputed"] == 0
