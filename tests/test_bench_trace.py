@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from cachecraft.api import chat_request
 from cachecraft.bench.item import WorkloadItem
 from cachecraft.bench.trace import (
     CHAT_PATH,
     COMPLETIONS_PATH,
+    as_pasted,
     layout_token_ids,
     poisson_arrivals,
     rag_trace,
@@ -92,6 +94,27 @@ def test_vllm_prompt_is_the_engine_layout(tokenizer: object) -> None:
         assert req.body["cache_salt"] == "s1" and req.body["stream"] is True
         layout = build_layout(item.request, tokenizer, fingerprint="x")
         assert req.body["prompt"] == list(layout.token_ids)
+
+
+def test_a_pasted_trace_sends_what_the_server_cuts_and_vllm_the_same_tokens(
+    tokenizer: object,
+) -> None:
+    """`--client pasted`: no documents field, the passages in the user message; vLLM's prompt
+    is the layout of what our server makes of that message."""
+    long = Chunk("The Danube flows east through ten countries to the Black Sea. " * 5, "d")
+    items = [WorkloadItem("q", RagRequest("Which sea?", [long, _items()[0].request.chunks[0]]))]
+    (ours,) = rag_trace(items, None, 0, paste=True)
+    assert ours.body["documents"] == []
+    messages = ours.body["messages"]
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert long.text in messages[1]["content"] and "Which sea?" in messages[1]["content"]
+    served = chat_request(messages)
+    # the long passage is a chunk of its own; the short one (after the last long one) stays
+    # in the question with the template's end
+    assert [c.text for c in served.chunks][1:] == [long.text]
+    assert served == as_pasted(items[0].request)
+    (peer,) = vllm_trace(items, None, 0, tokenizer=tokenizer, paste=True)
+    assert peer.body["prompt"] == layout_token_ids(served, tokenizer)
 
 
 def test_layout_ids_follow_the_rule_independently(tokenizer: object) -> None:

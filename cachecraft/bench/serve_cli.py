@@ -19,6 +19,7 @@ from cachecraft.bench.serve_bench import (
     ServerFactory,
     run_serve_bench,
 )
+from cachecraft.errors import CachecraftError
 
 
 def _parse_rates(text: str) -> list[float]:
@@ -75,6 +76,14 @@ def add_bench_serve_parser(
         "passages; synthetic: Zipf chunk popularity (--chunk-tokens); chat: multi-turn "
         "ShareGPT chats, six at a time, every turn sent with the ones before",
     )
+    parser.add_argument(
+        "--client",
+        choices=("documents", "pasted"),
+        default="documents",
+        help="how our servers get a request's passages: the documents field, or pasted into "
+        "the user message (LangChain's stuff prompt) and cut into chunks by the server; vLLM "
+        "gets the same prompt tokens either way (not with --workload chat)",
+    )
     parser.add_argument("--zipf", type=float, default=1.0, help="wiki-qa question popularity")
     parser.add_argument(
         "--questions", type=int, default=24, help="wiki-qa: distinct questions in the pool"
@@ -118,6 +127,8 @@ def _print_progress(system: str, message: str) -> None:
 
 
 def main_serve_bench(args: argparse.Namespace) -> int:
+    if args.client == "pasted" and args.workload == "chat":
+        raise CachecraftError("--client pasted pastes passages; a chat's turns are not passages")
     items = _items(args)
     factory = args.server_factory
     if args.dtype != "float32":  # our servers in the same dtype as vLLM
@@ -137,6 +148,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         progress=_print_progress,
         burst=args.burst,
         dtype=args.dtype,
+        paste=args.client == "pasted",
     )
     result["config"]["workload"] = args.workload
     if args.json:

@@ -1,6 +1,7 @@
 """Serving traces: Poisson arrival times and the HTTP request bodies replayed by the load generator.
 
-`rag_trace` makes chat-completion bodies for our server (documents as an extension field);
+`rag_trace` makes chat-completion bodies for our server (documents as an extension field, or,
+with `paste`, the passages pasted into the user message as most RAG clients send them);
 `vllm_trace` makes `/v1/completions` bodies whose prompt is the token id list of exactly the
 prompt layout our engine builds, so both servers prefill the same tokens. Owns no I/O.
 """
@@ -13,10 +14,18 @@ from typing import Any
 
 import numpy as np
 
-from cachecraft.api import prompt_token_ids
+from cachecraft.api import chat_request, prompt_token_ids
 from cachecraft.bench.item import WorkloadItem
 from cachecraft.errors import BadRequestError
 from cachecraft.request import RagRequest
+
+PASTED_TEMPLATE = (
+    "Use the following pieces of context to answer the question at the end. If you don't know "
+    "the answer, just say that you don't know, don't try to make up an answer.\n\n"
+    "{context}\n\nQuestion: {question}\nHelpful Answer:"
+)
+"""LangChain's classic "stuff" question-answering prompt, the passages joined by blank lines:
+how a RAG client that never heard of `documents` sends them."""
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -51,6 +60,19 @@ def _arrivals(items: Sequence[WorkloadItem], rate: float | None, seed: int) -> l
     return [it.arrival_s or 0.0 for it in items]
 
 
+def pasted_messages(request: RagRequest) -> list[dict[str, str]]:
+    """`request` as a chat whose user message pastes its chunks (`PASTED_TEMPLATE`)."""
+    context = "\n\n".join(c.text for c in request.chunks)
+    user = PASTED_TEMPLATE.format(context=context, question=request.question)
+    return [{"role": "system", "content": request.system}, {"role": "user", "content": user}]
+
+
+def as_pasted(request: RagRequest) -> RagRequest:
+    """What our server makes of `pasted_messages(request)` (its pasted context cut into
+    chunks): the request whose layout vLLM is sent for a pasted trace."""
+    return chat_request(pasted_messages(request), namespace=request.namespace)
+
+
 def chat_body(
     request: RagRequest,
     mode: str | None = None,
@@ -58,16 +80,21 @@ def chat_body(
     model: str = "cachecraft",
     namespace: str | None = None,
     ignore_eos: bool = False,
+    paste: bool = False,
 ) -> dict[str, Any]:
-    """A streamed, greedy chat-completion body for our server (documents as an extension)."""
+    """A streamed, greedy chat-completion body for our server: documents as an extension,
+    or with `paste` pasted into the user message (`pasted_messages`)."""
+    question = {"role": "user", "content": request.question}
     body: dict[str, Any] = {
         "model": model,
-        "messages": [
-            {"role": "system", "content": request.system},
-            {"role": "user", "content": request.question},
-        ],
+        "messages": (
+            pasted_messages(request)
+            if paste
+            else [{"role": "system", "content": request.system}, question]
+        ),
         "documents": [
-            {"id": c.id, "text": c.text} if c.id else {"text": c.text} for c in request.chunks
+            {"id": c.id, "text": c.text} if c.id else {"text": c.text}
+            for c in ([] if paste else request.chunks)
         ],
         "cache_namespace": namespace or request.namespace,
         "temperature": 0,
@@ -91,15 +118,16 @@ def rag_trace(
     model: str = "cachecraft",
     namespace: str | None = None,
     ignore_eos: bool = False,
+    paste: bool = False,
 ) -> list[TraceRequest]:
     """Chat-completion requests for our server, Poisson at `rate` (None: the items' own
     `arrival_s`). `namespace` overrides each request's cache namespace (a fresh one per run
-    gives every run an empty cache on a shared server)."""
+    gives every run an empty cache on a shared server); `paste`: see `chat_body`."""
     arrivals = _arrivals(items, rate, seed)
     return [
         TraceRequest(
             arrival_s=t,
-            body=chat_body(it.request, mode, max_tokens, model, namespace, ignore_eos),
+            body=chat_body(it.request, mode, max_tokens, model, namespace, ignore_eos, paste),
             path=CHAT_PATH,
             id=it.id,
         )
@@ -144,15 +172,21 @@ def vllm_trace(
     max_tokens: int = 32,
     cache_salt: str | None = None,
     ignore_eos: bool = False,
+    paste: bool = False,
 ) -> list[TraceRequest]:
-    """The same arrivals as `rag_trace(items, rate, seed)` as vLLM completion requests whose
-    prompt is `layout_token_ids`. `cache_salt` isolates a run's prefix cache in vLLM."""
+    """The same arrivals as `rag_trace(items, rate, seed, paste=paste)` as vLLM completion
+    requests whose prompt is `layout_token_ids` of what our server makes of each.
+    `cache_salt` isolates a run's prefix cache in vLLM."""
     arrivals = _arrivals(items, rate, seed)
     return [
         TraceRequest(
             arrival_s=t,
             body=completions_body(
-                layout_token_ids(it.request, tokenizer), max_tokens, model, cache_salt, ignore_eos
+                layout_token_ids(as_pasted(it.request) if paste else it.request, tokenizer),
+                max_tokens,
+                model,
+                cache_salt,
+                ignore_eos,
             ),
             path=COMPLETIONS_PATH,
             id=it.id,
