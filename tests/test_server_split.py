@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_server import client
 
 from cachecraft.api import chat_request, prompt_token_ids
@@ -75,6 +77,33 @@ def test_the_last_paragraph_is_always_the_question() -> None:
     assert [c.text for c in chunks] == PASSAGES[:2] and rest == PASSAGES[2]
     chunks, rest = pasted_chunks(PASSAGES[0] + "\n\n \n\t\n\n", "prompt")
     assert chunks == [] and rest == PASSAGES[0] + "\n\n \n\t\n\n"  # blank tail: no question
+
+
+PARAGRAPH = st.sampled_from(["Q?", "Sources:", "[1] Curie", " ", "x" * 255, *PASSAGES])
+SEPARATOR = st.sampled_from(["\n\n", "\n\n\n", "\n \n", "\n\t\n  \n"])
+
+
+@given(st.lists(st.tuples(PARAGRAPH, SEPARATOR), min_size=1, max_size=9), st.integers(0, 400))
+def test_cutting_keeps_the_text_and_every_long_paragraph_ends_a_chunk(
+    parts: list[tuple[str, str]], max_chars: int
+) -> None:
+    text = "".join(p + sep for p, sep in parts[:-1]) + parts[-1][0]
+    chunks, rest = pasted_chunks(text, "m", max_chars=max_chars or None)
+    # chunks are slices of the text, in order, and the rest is its tail
+    at = 0
+    for c in chunks:
+        found = text.index(c.text, at)
+        assert text[at:found].strip() == "" and c.text.strip()
+        assert max_chars == 0 or len(c.text) <= max_chars
+        at = found + len(c.text)
+    assert text.endswith(rest) and text[at : len(text) - len(rest)].strip() == ""
+    if not max_chars:  # uncapped: each long paragraph but the last ends a chunk of its own
+        non_blank = [p for p, _ in parts if p.strip()]
+        longs = [p for p in non_blank[:-1] if len(p) >= 256]
+        preamble = len(chunks) - len(longs)
+        assert preamble in (0, 1)  # the short paragraphs before the first long one
+        assert all(c.text.endswith(p) for c, p in zip(chunks[preamble:], longs, strict=True))
+        assert rest.strip() or not non_blank
 
 
 @pytest.mark.parametrize(

@@ -84,18 +84,15 @@ def chat_body(
 ) -> dict[str, Any]:
     """A streamed, greedy chat-completion body for our server: documents as an extension,
     or with `paste` pasted into the user message (`pasted_messages`)."""
-    question = {"role": "user", "content": request.question}
+    messages = [
+        {"role": "system", "content": request.system},
+        {"role": "user", "content": request.question},
+    ]
+    documents = [{"id": c.id, "text": c.text} if c.id else {"text": c.text} for c in request.chunks]
     body: dict[str, Any] = {
         "model": model,
-        "messages": (
-            pasted_messages(request)
-            if paste
-            else [{"role": "system", "content": request.system}, question]
-        ),
-        "documents": [
-            {"id": c.id, "text": c.text} if c.id else {"text": c.text}
-            for c in ([] if paste else request.chunks)
-        ],
+        "messages": pasted_messages(request) if paste else messages,
+        "documents": [] if paste else documents,
         "cache_namespace": namespace or request.namespace,
         "temperature": 0,
         "max_tokens": max_tokens,
