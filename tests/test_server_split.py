@@ -136,6 +136,16 @@ def test_history_cuts_a_user_turn_as_it_was_cut_when_it_was_the_question() -> No
     assert after[: len(before)] == before  # closed by the pasted context as by the end then
     assert after[len(before) : -1] == now
     assert after[-1] == Chunk(f"user: {question}\nassistant: Curie.", "messages[2:4]")
+    # a tool's result is cut too; an assistant's reply never
+    passages = "\n\n".join(PASSAGES)
+    tool = history_chunks(
+        [(0, "user", "Find it."), (1, "tool", passages), (2, "assistant", passages)]
+    )
+    assert [c.text for c in tool] == [
+        "user: Find it.",
+        *PASSAGES[:2],
+        f"tool: {PASSAGES[2]}\nassistant: {passages}",
+    ]
     # a turn without pasted context is gathered as before
     plain = history_chunks([(0, "user", "Hi."), (1, "assistant", "Hello."), (2, "user", "Hm.")])
     assert [c.text for c in plain] == ["user: Hi.\nassistant: Hello.\nuser: Hm."]

@@ -40,7 +40,9 @@ def history_chunks(
     of whole turns written "role: text" (`HISTORY_CHUNK_CHARS`), labelled by the messages they
     hold. A user turn's pasted context (`pasted_chunks`) is cut into the very chunks it made
     when that turn was the question, ahead of "user: " and the rest of the turn; they close
-    the turns gathered before them, as the end of the history closed them then.
+    the turns gathered before them, as the end of the history closed them then. A tool
+    result (retrieved passages, most often) is cut the same way, so a passage a tool returned
+    is the same chunk in any conversation.
 
     They are chunk-caches like documents: the conversation's next request sends them again,
     unchanged, in the same order, after the same system prompt, so its closed chunks are
@@ -58,7 +60,7 @@ def history_chunks(
         texts, size = [], 0
 
     for i, role, text in turns:
-        if role == "user":
+        if role in ("user", "tool"):
             pasted, text = pasted_chunks(text, f"messages[{i}]", pasted_chars, max_chars)
             if pasted and texts:
                 close()
