@@ -4,6 +4,7 @@ out (the tokenizer only), and two requests through a live server on the tiny ran
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from hypothesis import given
@@ -181,7 +182,8 @@ def test_documents_then_pasted_chunks_and_the_switch() -> None:
 def test_passages_pasted_in_a_new_order_are_reused(tiny: LoadedModel) -> None:
     """A RAG client that pastes its passages into the message: the second request pastes the
     first one's two passages in another order after a new one, and the server reuses the
-    instruction in front of them exactly and both passages at their new positions."""
+    instruction in front of them exactly and both passages at their new positions; the new
+    one was precomputed through /v1/chunks as a document, and is the same chunk-cache."""
     exact = StoreConfig(storage_dtype="float32")
 
     def ask(url: str, passages: list[str], question: str) -> openai.types.chat.ChatCompletion:
@@ -196,9 +198,11 @@ def test_passages_pasted_in_a_new_order_are_reused(tiny: LoadedModel) -> None:
         first = ask(base, PASSAGES[:2], "Who won two Nobel Prizes?")
         chunks = first.usage.model_extra["cachecraft"]["chunks"]
         assert len(chunks) == 3 and not any(c["is_hit"] for c in chunks)
+        precomputed = httpx.post(base + "/v1/chunks", json={"documents": [{"text": PASSAGES[2]}]})
+        assert precomputed.status_code == 200
         second = ask(base, [PASSAGES[2], PASSAGES[1], PASSAGES[0]], "Where is the reef?")
         report = second.usage.model_extra["cachecraft"]["chunks"]
-        assert [c["is_hit"] for c in report] == [True, False, True, True]
+        assert [c["is_hit"] for c in report] == [True, True, True, True]
         preamble = report[0]
         assert preamble["is_exact"] and preamble["tokens_recomputed"] == 0  # same place
         hits = [c for c in report if c["is_hit"]]
