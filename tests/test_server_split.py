@@ -167,6 +167,11 @@ def test_a_pasted_rag_prompt_lays_out_as_its_documents_would(tiny: LoadedModel) 
     assert prompt_token_ids(pasted, tokenizer) == prompt_token_ids(documents, tokenizer)
 
 
+def test_a_question_that_says_question_gets_no_second_lead(tiny: LoadedModel) -> None:
+    asked, plain = RagRequest("Question: Who?", PASSAGES[:1]), RagRequest("Who?", PASSAGES[:1])
+    assert prompt_token_ids(asked, tiny.tokenizer) == prompt_token_ids(plain, tiny.tokenizer)
+
+
 def test_documents_then_pasted_chunks_and_the_switch() -> None:
     body = CompletionRequest(prompt=rag_prompt(PASSAGES[:2], "Who?"), documents=[{"text": "D."}])
     rag = to_rag(body, "default")

@@ -34,6 +34,12 @@ def template_parts(tokenizer: Any, system: str) -> TemplateParts:
     return TemplateParts(f"{system}\n\n", "\nAnswer:")
 
 
+def question_text(question: str) -> str:
+    """`Question: ` and the question, unless it begins so already (a RAG client's template
+    that the server cut its pasted passages from often ends in "Question: ...")."""
+    return question if question.startswith(QUESTION_LEAD) else QUESTION_LEAD + question
+
+
 def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -51,7 +57,7 @@ def build_layout(
         key = chunk_key(fingerprint, request.namespace, ids)
         slots.append(ChunkSlot(key=key, label=chunk.id, token_ids=ids, start=start))
         start += len(ids)
-    question_ids = _encode(tokenizer, QUESTION_LEAD + request.question + parts.tail)
+    question_ids = _encode(tokenizer, question_text(request.question) + parts.tail)
     layout = PromptLayout(
         prefix_key=prefix_key(fingerprint, request.namespace, prefix_ids),
         prefix_ids=prefix_ids,
