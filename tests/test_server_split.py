@@ -73,6 +73,12 @@ def test_a_passage_is_the_same_chunk_wherever_it_is_pasted() -> None:
     assert {c.text for c in a} <= {c.text for c in b}
 
 
+def test_a_paragraph_keeps_its_indentation() -> None:
+    code = "    " + PASSAGES[0]
+    chunks, rest = pasted_chunks(f"{PASSAGES[1]}\n \n\n{code}\n\n  Q?", "m")
+    assert [c.text for c in chunks] == [PASSAGES[1], code] and rest == "  Q?"
+
+
 def test_the_last_paragraph_is_always_the_question() -> None:
     chunks, rest = pasted_chunks("\n\n".join(PASSAGES), "prompt")
     assert [c.text for c in chunks] == PASSAGES[:2] and rest == PASSAGES[2]

@@ -27,8 +27,9 @@ an instruction line, a source label) join the next long one. So where a chunk en
 its own paragraphs only, never on what came before it, and a passage pasted after different
 ones is still the same chunk."""
 
-BLANK_LINE = re.compile(r"\n[^\S\n]*\n\s*")
-"""A paragraph break: a newline, an empty or blank line, and any further blank lines."""
+BLANK_LINE = re.compile(r"\n(?:[^\S\n]*\n)+")
+"""A paragraph break: a newline and one or more empty or blank lines (the next paragraph's
+indentation is its own)."""
 
 
 def history_chunks(
