@@ -178,6 +178,12 @@ def test_a_question_that_says_question_gets_no_second_lead(tiny: LoadedModel) ->
     assert prompt_token_ids(asked, tiny.tokenizer) == prompt_token_ids(plain, tiny.tokenizer)
 
 
+def test_text_parts_are_paragraphs() -> None:
+    parts = [{"type": "text", "text": t} for t in [*PASSAGES, "Which river?"]]
+    rag = chat_request([{"role": "user", "content": parts}])
+    assert [c.text for c in rag.chunks] == PASSAGES and rag.question == "Which river?"
+
+
 def test_documents_then_pasted_chunks_and_the_switch() -> None:
     body = CompletionRequest(prompt=rag_prompt(PASSAGES[:2], "Who?"), documents=[{"text": "D."}])
     rag = to_rag(body, "default")

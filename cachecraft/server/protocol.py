@@ -85,11 +85,13 @@ class Message(_Lenient):
         return v
 
     def text(self) -> str:
+        """The content; text parts are paragraphs, a blank line between them (a client that
+        sends each passage as a part of its own gets each as a chunk-cache: server/split.py)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n\n".join(p.text for p in self.content)
 
 
 class StreamOptions(_Lenient):
