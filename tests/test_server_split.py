@@ -73,9 +73,9 @@ def test_a_passage_is_the_same_chunk_wherever_it_is_pasted() -> None:
     assert {c.text for c in a} <= {c.text for c in b}
 
 
-def test_a_paragraph_keeps_its_indentation() -> None:
+def test_a_paragraph_keeps_its_indentation_and_leading_blank_lines_are_dropped() -> None:
     code = "    " + PASSAGES[0]
-    chunks, rest = pasted_chunks(f"{PASSAGES[1]}\n \n\n{code}\n\n  Q?", "m")
+    chunks, rest = pasted_chunks(f" \n\n{PASSAGES[1]}\n \n\n{code}\n\n  Q?", "m")
     assert [c.text for c in chunks] == [PASSAGES[1], code] and rest == "  Q?"
 
 

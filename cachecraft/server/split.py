@@ -113,10 +113,10 @@ def pasted_chunks(
     for k in range(last):
         if len(text[starts[k] : ends[k]].strip()) < min_chars:
             continue
-        if not chunks and first < k and text[starts[0] : ends[k - 1]].strip():
-            if not close(k - 1):  # the preamble
+        if not chunks and first < k:  # the short paragraphs before the first long one
+            if text[starts[first] : ends[k - 1]].strip() and not close(k - 1):
                 break
-            first = k
+            first = k  # (leading white space is in no chunk)
         if not close(k):
             break
         first = k + 1
