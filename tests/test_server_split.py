@@ -73,6 +73,16 @@ def test_a_passage_is_the_same_chunk_wherever_it_is_pasted() -> None:
     assert {c.text for c in a} <= {c.text for c in b}
 
 
+def test_a_long_line_ends_a_paragraph_and_wrapped_lines_do_not() -> None:
+    text = "Context:\n" + "\n".join(PASSAGES) + "\nQuestion: Which river?"
+    chunks, rest = pasted_chunks(text, "m")
+    assert [c.text for c in chunks] == ["Context:\n" + PASSAGES[0], *PASSAGES[1:]]
+    assert rest == "Question: Which river?"
+    wrapped = "\n".join(PASSAGES[0][i : i + 70] for i in range(0, len(PASSAGES[0]), 70))
+    chunks, rest = pasted_chunks(f"{wrapped}\n\nQ?", "m")
+    assert [c.text for c in chunks] == [wrapped] and rest == "Q?"  # one paragraph of short lines
+
+
 def test_a_paragraph_keeps_its_indentation_and_leading_blank_lines_are_dropped() -> None:
     code = "    " + PASSAGES[0]
     chunks, rest = pasted_chunks(f" \n\n{PASSAGES[1]}\n \n\n{code}\n\n  Q?", "m")
@@ -87,7 +97,7 @@ def test_the_last_paragraph_is_always_the_question() -> None:
 
 
 PARAGRAPH = st.sampled_from(["Q?", "Sources:", "[1] Curie", " ", "x" * 255, *PASSAGES])
-SEPARATOR = st.sampled_from(["\n\n", "\n\n\n", "\n \n", "\n\t\n  \n"])
+SEPARATOR = st.sampled_from(["\n", "\n\n", "\n\n\n", "\n \n", "\n\t\n  \n"])
 
 
 @given(st.lists(st.tuples(PARAGRAPH, SEPARATOR), min_size=1, max_size=9), st.integers(0, 400))

@@ -118,8 +118,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--pasted-chunk-chars",
         type=int,
         default=server.pasted_chunk_chars,
-        help="cut context pasted into the last message at blank lines into chunk-caches, a "
-        "paragraph of this many characters closing a chunk (0: never)",
+        help="cut context pasted into the last message into chunk-caches at blank lines and "
+        "after lines this long, a paragraph this long closing a chunk (0: never)",
     )
     p.add_argument(
         "--max-request-bytes",

@@ -27,9 +27,9 @@ class ServerConfig:
     this bounds how long one document can hold every other request."""
     max_prompt_chars: int = 32000
     pasted_chunk_chars: int = PASTED_CHUNK_CHARS
-    """Context pasted into the last message (or a completion's prompt) is cut at blank lines
-    into chunk-caches, a paragraph this long closing a chunk (`server/split.py`); 0: never,
-    the whole message is the question."""
+    """Context pasted into the last message (or a completion's prompt) is cut into paragraphs
+    (blank lines, and lines this long) and so into chunk-caches, a paragraph this long closing
+    a chunk (`server/split.py`); 0: never, the whole message is the question."""
     max_request_bytes: int = 4 * 1024 * 1024
     watchdog_s: float = 120.0
     metrics_public: bool = False

@@ -4,8 +4,8 @@ and context pasted into the last message or a completion's prompt (`pasted_chunk
 Clients that use the `documents` field say where each chunk begins and ends. Most clients do
 not: a chat sends its whole conversation again every turn, and a RAG client (LangChain's or
 LlamaIndex's prompt templates, a hand-written one) pastes its retrieved passages into one
-message, separated by blank lines. Both rules cut only where the text itself does (a turn, a
-blank line), so the same turn or passage is the same chunk, with the same key, in every request
+message, separated by blank lines or one passage a line. Both rules cut only where the text
+itself does (a turn, a paragraph), so the same turn or passage is the same chunk, with the same key, in every request
 that carries it, wherever it stands.
 """
 
@@ -27,9 +27,20 @@ an instruction line, a source label) join the next long one. So where a chunk en
 its own paragraphs only, never on what came before it, and a passage pasted after different
 ones is still the same chunk."""
 
-BLANK_LINE = re.compile(r"\n(?:[^\S\n]*\n)+")
-"""A paragraph break: a newline and one or more empty or blank lines (the next paragraph's
-indentation is its own)."""
+NEWLINES = re.compile(r"\n(?:[^\S\n]*\n)*")
+"""A newline and any empty or blank lines after it (the next line's indentation is its own)."""
+
+
+def _breaks(text: str, min_chars: int) -> list[tuple[int, int]]:
+    """Where `text` breaks into paragraphs: at blank lines, and after a line of at least
+    `min_chars` (a passage written on one line, as `"\n".join(passages)` pastes them)."""
+    out = []
+    line = 0  # where the current line starts
+    for m in NEWLINES.finditer(text):
+        if "\n" in m.group()[1:] or len(text[line : m.start()].strip()) >= min_chars:
+            out.append(m.span())
+        line = m.end()
+    return out
 
 
 def history_chunks(
@@ -81,8 +92,8 @@ def history_chunks(
 def pasted_chunks(
     text: str, where: str, min_chars: int = PASTED_CHUNK_CHARS, max_chars: int | None = None
 ) -> tuple[list[Chunk], str]:
-    """(chunks, rest): the paragraphs of `text` before its last one as chunks, the rest as the
-    question. A paragraph of at least `min_chars` closes a chunk together with the shorter ones
+    """(chunks, rest): the paragraphs of `text` (`_breaks`) before its last one as chunks, the
+    rest as the question. A paragraph of at least `min_chars` closes a chunk together with the shorter ones
     just before it (a source label, a heading), except that the short ones before the first
     long one are a chunk of their own: that preamble is a client's instruction, the same in
     every request, and glued to the first passage it would make that passage a new chunk
@@ -90,14 +101,14 @@ def pasted_chunks(
     paragraph, stay in the question. A chunk over `max_chars` (the server's
     `max_document_chars`) and everything after it stay in the question too.
 
-    Chunks are exact slices of `text` and the rest is its exact tail; the blank lines after a
-    chunk become the layout's one blank line. Labels name the paragraphs:
+    Chunks are exact slices of `text` and the rest is its exact tail; the line break after a
+    chunk becomes the layout's one blank line. Labels name the paragraphs:
     `messages[3].paragraphs[0:2]`. `min_chars` 0: no chunks."""
     if min_chars <= 0:
         return [], text
-    breaks = list(BLANK_LINE.finditer(text))
-    ends = [m.start() for m in breaks] + [len(text)]
-    starts = [0] + [m.end() for m in breaks]
+    breaks = _breaks(text, min_chars)
+    ends = [a for a, _ in breaks] + [len(text)]
+    starts = [0] + [b for _, b in breaks]
     last = max((k for k in range(len(ends)) if text[starts[k] : ends[k]].strip()), default=0)
     chunks: list[Chunk] = []
     first = 0  # the first paragraph not yet in a chunk
