@@ -5,8 +5,8 @@ Clients that use the `documents` field say where each chunk begins and ends. Mos
 not: a chat sends its whole conversation again every turn, and a RAG client (LangChain's or
 LlamaIndex's prompt templates, a hand-written one) pastes its retrieved passages into one
 message, separated by blank lines or one passage a line. Both rules cut only where the text
-itself does (a turn, a paragraph), so the same turn or passage is the same chunk, with the same key, in every request
-that carries it, wherever it stands.
+itself does (a turn, a paragraph), so the same turn or passage is the same chunk, with the
+same key, in every request that carries it, wherever it stands.
 """
 
 from __future__ import annotations
