@@ -93,11 +93,11 @@ def pasted_chunks(
     text: str, where: str, min_chars: int = PASTED_CHUNK_CHARS, max_chars: int | None = None
 ) -> tuple[list[Chunk], str]:
     """(chunks, rest): the paragraphs of `text` (`_breaks`) before its last one as chunks, the
-    rest as the question. A paragraph of at least `min_chars` closes a chunk together with the shorter ones
-    just before it (a source label, a heading), except that the short ones before the first
-    long one are a chunk of their own: that preamble is a client's instruction, the same in
-    every request, and glued to the first passage it would make that passage a new chunk
-    wherever it is pasted first. Short paragraphs after the last long one, and the last
+    rest as the question. A paragraph of at least `min_chars` closes a chunk together with the
+    shorter ones just before it (a source label, a heading), except that the short ones before
+    the first long one are a chunk of their own: that preamble is a client's instruction, the
+    same in every request, and glued to the first passage it would make that passage a new
+    chunk wherever it is pasted first. Short paragraphs after the last long one, and the last
     paragraph, stay in the question. A chunk over `max_chars` (the server's
     `max_document_chars`) and everything after it stay in the question too.
 
