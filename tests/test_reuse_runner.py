@@ -11,7 +11,8 @@ from cachecraft.config import MODES
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError, ContextLengthError
 from cachecraft.llm import LLM
-from cachecraft.request import Chunk, RagRequest
+from cachecraft.request import DEFAULT_SYSTEM, Chunk, RagRequest
+from cachecraft.reuse.layout import QUESTION_BLOCK, QUESTION_KEEP, build_layout, template_parts
 from cachecraft.store.memory import MemoryStore
 
 DOCS = [
@@ -446,3 +447,38 @@ def test_filling_every_layer_at_once_equals_filling_layer_by_layer(tiny) -> None
     want = rope.rotate(chunks[1][0], torch.arange(20, 27))
     assert torch.allclose(caches[0].k[:, :, 20:27], want, atol=1e-6)
     assert torch.equal(caches[0].v[:, :, 3:10], chunks[0][1])
+
+
+LONG_QUESTION = " ".join(DOCS) * 13 + " Which of these is the oldest?"
+
+
+def test_a_long_question_lends_its_leading_blocks_to_chunk_slots(llm: LLM) -> None:
+    """Cut at token boundaries: the prompt's tokens are the ones a whole question gives."""
+    tokenizer = llm.loaded.tokenizer
+    layout = build_layout(_req([0], LONG_QUESTION), tokenizer, fingerprint="f")
+    parts = template_parts(tokenizer, DEFAULT_SYSTEM)
+    whole = tokenizer(f"Question: {LONG_QUESTION}{parts.tail}", add_special_tokens=False)
+    whole_ids = tuple(whole["input_ids"])
+    assert len(whole_ids) >= 2 * QUESTION_BLOCK + QUESTION_KEEP  # so at least two blocks
+    blocks = layout.chunks[1:]
+    assert [b.label for b in blocks] == [
+        f"question[{a}:{a + QUESTION_BLOCK}]" for a in range(0, len(blocks) * QUESTION_BLOCK, 256)
+    ]
+    assert sum((b.token_ids for b in blocks), ()) + layout.question_ids == whole_ids
+    assert QUESTION_KEEP <= len(layout.question_ids) < QUESTION_KEEP + QUESTION_BLOCK
+    short = build_layout(_req([0]), tokenizer, fingerprint="f")
+    assert len(short.chunks) == 1  # a short question lends nothing
+
+
+@pytest.mark.parametrize("mode", ["prefix", "cachecraft"])
+def test_a_long_prompt_sent_again_reuses_its_question_blocks_exactly(llm: LLM, mode: str) -> None:
+    request = _req([1, 0], LONG_QUESTION)
+    full = _run(llm, request, "full")
+    _run(llm, request, mode)
+    again = _run(llm, request, mode)
+    blocks = [c for c in again.report.chunks if (c.label or "").startswith("question[")]
+    assert len(blocks) >= 2 and all(c.is_hit and c.tokens_recomputed == 0 for c in blocks)
+    # the question's last tokens only
+    assert again.report.tokens_computed < QUESTION_KEEP + QUESTION_BLOCK
+    assert (again.first_token_logits - full.first_token_logits).abs().max() < 1e-4
+    assert again.token_ids == full.token_ids

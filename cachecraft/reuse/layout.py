@@ -1,7 +1,8 @@
 """Lay a RagRequest out as [prefix][chunk 1]...[chunk k][question] through the chat template.
 
 Each chunk is tokenized on its own (as `text + "\\n\\n"`), so its ids and key are the same
-wherever it appears. The template is rendered once around a sentinel to find its head (goes
+wherever it appears; a long question lends its leading token blocks to chunk slots too
+(`QUESTION_BLOCK`). The template is rendered once around a sentinel to find its head (goes
 into the prefix, after the system prompt) and its tail (goes after the question).
 """
 
@@ -17,6 +18,14 @@ from cachecraft.reuse.plan import ChunkSlot, PromptLayout
 SENTINEL = "\x00CACHECRAFT\x00"
 CHUNK_SEPARATOR = "\n\n"
 QUESTION_LEAD = "Question: "
+QUESTION_BLOCK = 256
+QUESTION_KEEP = 64
+"""A question (with the template tail) longer than QUESTION_BLOCK + QUESTION_KEEP tokens lends
+its leading blocks of QUESTION_BLOCK tokens to chunk slots, cut at token boundaries (no
+separator: the model reads the same tokens), and keeps its last QUESTION_KEEP to
+QUESTION_KEEP + QUESTION_BLOCK - 1 tokens (what the probe reads; the query is usually last).
+A long prompt sent again, or with its long beginning shared, is then reused as vLLM's prefix
+cache reuses it."""
 
 
 class TemplateParts(NamedTuple):
@@ -58,6 +67,15 @@ def build_layout(
         slots.append(ChunkSlot(key=key, label=chunk.id, token_ids=ids, start=start))
         start += len(ids)
     question_ids = _encode(tokenizer, question_text(request.question) + parts.tail)
+    cut = 0  # question tokens lent to blocks so far
+    while len(question_ids) - cut >= QUESTION_BLOCK + QUESTION_KEEP:
+        ids = question_ids[cut : cut + QUESTION_BLOCK]
+        key = chunk_key(fingerprint, request.namespace, ids)
+        label = f"question[{cut}:{cut + QUESTION_BLOCK}]"
+        slots.append(ChunkSlot(key=key, label=label, token_ids=ids, start=start))
+        start += QUESTION_BLOCK
+        cut += QUESTION_BLOCK
+    question_ids = question_ids[cut:]
     layout = PromptLayout(
         prefix_key=prefix_key(fingerprint, request.namespace, prefix_ids),
         prefix_ids=prefix_ids,
