@@ -189,3 +189,16 @@ def test_wiki_qa_zipf_repeats_popular_questions_with_reordered_passages():
     assert _signature(wiki_qa_zipf(30, seed=0, zipf_s=1.2, num_questions=10)) == _signature(items)
     with pytest.raises(BadRequestError):
         wiki_qa_zipf(3, zipf_s=-1.0)
+
+
+def test_shared_prefix_requests_share_long_beginnings_and_nothing_else():
+    from cachecraft.bench.shared_prefix import shared_prefix
+
+    items = shared_prefix(12, seed=3, num_prefixes=2, prefix_tokens=300)
+    assert items == shared_prefix(12, seed=3, num_prefixes=2, prefix_tokens=300)
+    beginnings = {it.request.question.split(" Answer from the text above: ")[0] for it in items}
+    assert len(beginnings) == 2 and all(estimate_tokens(b) >= 300 for b in beginnings)
+    for it in items:  # one paragraph, no documents: only a prefix cache can reuse it
+        assert it.request.chunks == () and "\n" not in it.request.question
+    with pytest.raises(BadRequestError):
+        shared_prefix(1, num_prefixes=0)

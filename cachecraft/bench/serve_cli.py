@@ -70,11 +70,12 @@ def add_bench_serve_parser(
     parser.add_argument("--max-tokens", type=int, default=8, help="answer tokens (short)")
     parser.add_argument(
         "--workload",
-        choices=("wiki-qa", "synthetic", "chat"),
+        choices=("wiki-qa", "synthetic", "chat", "shared-prefix"),
         default="wiki-qa",
         help="wiki-qa: FanOutQA questions with Zipf popularity over BM25 top-5 Wikipedia "
         "passages; synthetic: Zipf chunk popularity (--chunk-tokens); chat: multi-turn "
-        "ShareGPT chats, six at a time, every turn sent with the ones before",
+        "ShareGPT chats, six at a time, every turn sent with the ones before; shared-prefix: "
+        "one long message each, one of 4 shared ~1,500-token beginnings and its own question",
     )
     parser.add_argument(
         "--client",
@@ -116,6 +117,10 @@ def _items(args: argparse.Namespace) -> list:
         from cachecraft.bench.chat import chat_workload
 
         return chat_workload(n)
+    if args.workload == "shared-prefix":
+        from cachecraft.bench.shared_prefix import shared_prefix
+
+        return shared_prefix(n, seed=args.seed)
     from cachecraft.bench.synthetic import parse_chunk_tokens, synthetic
 
     return synthetic(n, chunk_tokens=parse_chunk_tokens(args.chunk_tokens), seed=args.seed)
@@ -127,8 +132,8 @@ def _print_progress(system: str, message: str) -> None:
 
 
 def main_serve_bench(args: argparse.Namespace) -> int:
-    if args.client == "pasted" and args.workload == "chat":
-        raise CachecraftError("--client pasted pastes passages; a chat's turns are not passages")
+    if args.client == "pasted" and args.workload in ("chat", "shared-prefix"):
+        raise CachecraftError(f"--client pasted pastes passages; {args.workload} has none")
     items = _items(args)
     factory = args.server_factory
     if args.dtype != "float32":  # our servers in the same dtype as vLLM
