@@ -348,8 +348,9 @@ def run_serve_bench(
     latencies at `common_rate`, the highest rate every system sustained. `ignore_eos` makes every mode
     generate exactly `max_tokens`, so latencies compare prefill work, not answer lengths.
     `paste`: our servers get each request's passages pasted into the user message (the
-    trace's `pasted_messages`), not as documents. `peer_server` replaces the vLLM launcher (tests). `dtype` is vLLM's (our servers take theirs
-    from `server_factory`: `cachecraft bench serve --dtype` passes the same to both)."""
+    trace's `pasted_messages`), not as documents. `peer_server` replaces the vLLM launcher
+    (tests). `dtype` is vLLM's (our servers take theirs from `server_factory`: `cachecraft
+    bench serve --dtype` passes the same to both)."""
     if not rates or any(r <= 0 for r in rates):
         raise CachecraftError(f"rates must be positive, got {list(rates)}")
     if max_runs < 1:

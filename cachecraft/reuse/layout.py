@@ -20,7 +20,7 @@ CHUNK_SEPARATOR = "\n\n"
 QUESTION_LEAD = "Question: "
 QUESTION_BLOCK = 256
 QUESTION_KEEP = 64
-"""A question (with the template tail) longer than QUESTION_BLOCK + QUESTION_KEEP tokens lends
+"""A question (with the template tail) of QUESTION_BLOCK + QUESTION_KEEP tokens or more lends
 its leading blocks of QUESTION_BLOCK tokens to chunk slots, cut at token boundaries (no
 separator: the model reads the same tokens), and keeps its last QUESTION_KEEP to
 QUESTION_KEEP + QUESTION_BLOCK - 1 tokens (what the probe reads; the query is usually last).
