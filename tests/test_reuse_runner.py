@@ -449,7 +449,7 @@ def test_filling_every_layer_at_once_equals_filling_layer_by_layer(tiny) -> None
     assert torch.equal(caches[0].v[:, :, 3:10], chunks[0][1])
 
 
-LONG_QUESTION = " ".join(DOCS) * 13 + " Which of these is the oldest?"
+LONG_QUESTION = " ".join(DOCS) * 4 + " Which of these is the oldest?"
 
 
 def test_a_long_question_lends_its_leading_blocks_to_chunk_slots(llm: LLM) -> None:
@@ -462,7 +462,8 @@ def test_a_long_question_lends_its_leading_blocks_to_chunk_slots(llm: LLM) -> No
     assert len(whole_ids) >= 2 * QUESTION_BLOCK + QUESTION_KEEP  # so at least two blocks
     blocks = layout.chunks[1:]
     assert [b.label for b in blocks] == [
-        f"question[{a}:{a + QUESTION_BLOCK}]" for a in range(0, len(blocks) * QUESTION_BLOCK, 256)
+        f"question[{a}:{a + QUESTION_BLOCK}]"
+        for a in range(0, len(blocks) * QUESTION_BLOCK, QUESTION_BLOCK)
     ]
     assert sum((b.token_ids for b in blocks), ()) + layout.question_ids == whole_ids
     assert QUESTION_KEEP <= len(layout.question_ids) < QUESTION_KEEP + QUESTION_BLOCK

@@ -18,8 +18,8 @@ from cachecraft.reuse.plan import ChunkSlot, PromptLayout
 SENTINEL = "\x00CACHECRAFT\x00"
 CHUNK_SEPARATOR = "\n\n"
 QUESTION_LEAD = "Question: "
-QUESTION_BLOCK = 256
-QUESTION_KEEP = 64
+QUESTION_BLOCK = 64
+QUESTION_KEEP = 16
 """A question (with the template tail) of QUESTION_BLOCK + QUESTION_KEEP tokens or more lends
 its leading blocks of QUESTION_BLOCK tokens to chunk slots, cut at token boundaries (no
 separator: the model reads the same tokens), and keeps its last QUESTION_KEEP to
