@@ -1,6 +1,7 @@
-"""Pasted context -> chunk-caches (server/split.py `pasted_chunks`), and how the server's
-request conversion uses it: the rules on plain strings, the prompt a pasted RAG request lays
-out (the tokenizer only), and two requests through a live server on the tiny random Llama."""
+"""Pasted context -> chunk-caches (server/split.py `pasted_chunks`, `history_chunks`), and how
+the server's request conversion uses it: the rules on plain strings, the prompt a pasted RAG
+request lays out (the tokenizer only), and live servers on the tiny random Llama reusing
+pasted passages across requests and chat turns."""
 
 from __future__ import annotations
 
