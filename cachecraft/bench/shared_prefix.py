@@ -30,8 +30,10 @@ def shared_prefix(
     prefixes = []
     for _ in range(num_prefixes):
         texts: list[str] = []
-        while sum(estimate_tokens(t) for t in texts) < prefix_tokens:
+        size = 0
+        while size < prefix_tokens:
             texts.append(" ".join(passages[order.pop()].text.split()))
+            size += estimate_tokens(texts[-1])
         prefixes.append(" ".join(texts))
     questions = fanout_questions()
     items = []

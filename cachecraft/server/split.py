@@ -22,10 +22,10 @@ chunk-cache of its own, and a long chat stays a few dozen chunks. Where a chunk 
 only on the turns before, so the next request of a conversation closes the same chunks."""
 
 PASTED_CHUNK_CHARS = 256
-"""A paragraph of pasted text this long (~60 tokens) closes a chunk; shorter ones (a heading,
-an instruction line, a source label) join the next long one. So where a chunk ends depends on
-its own paragraphs only, never on what came before it, and a passage pasted after different
-ones is still the same chunk."""
+"""A paragraph of pasted text this long (~60 tokens) closes a chunk; shorter ones (a heading, a
+source label) join the next long one, those before the first long one (an instruction) are a
+chunk of their own. So where a chunk ends depends on its own paragraphs only, never on what
+came before it, and a passage pasted after different ones is still the same chunk."""
 
 NEWLINES = re.compile(r"\n(?:[^\S\n]*\n)*")
 """A newline and any empty or blank lines after it (the next line's indentation is its own)."""
@@ -109,7 +109,8 @@ def pasted_chunks(
     breaks = _breaks(text, min_chars)
     ends = [a for a, _ in breaks] + [len(text)]
     starts = [0] + [b for _, b in breaks]
-    last = max((k for k in range(len(ends)) if text[starts[k] : ends[k]].strip()), default=0)
+    sizes = [len(text[a:b].strip()) for a, b in zip(starts, ends, strict=True)]
+    last = max((k for k, n in enumerate(sizes) if n), default=0)
     chunks: list[Chunk] = []
     first = 0  # the first paragraph not yet in a chunk
 
@@ -122,7 +123,7 @@ def pasted_chunks(
         return True
 
     for k in range(last):
-        if len(text[starts[k] : ends[k]].strip()) < min_chars:
+        if sizes[k] < min_chars:
             continue
         if not chunks and first < k:  # the short paragraphs before the first long one
             if text[starts[first] : ends[k - 1]].strip() and not close(k - 1):
