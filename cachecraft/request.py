@@ -38,12 +38,16 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class RagRequest:
-    """[system prefix][chunk 1]...[chunk k][question]. No chunks is fine; no question is not."""
+    """[system prefix][chunk 1]...[chunk k][question]. No chunks is fine; no question is not.
+
+    `system_chunks`: context the system message carries after `system` (retrieved passages a
+    client put there): chunk-caches like `chunks`, laid out inside the system turn."""
 
     question: str
     chunks: tuple[Chunk, ...] = field(default_factory=tuple)
     system: str = DEFAULT_SYSTEM
     namespace: str = "default"
+    system_chunks: tuple[Chunk, ...] = field(default_factory=tuple)
 
     def __init__(
         self,
@@ -51,12 +55,11 @@ class RagRequest:
         chunks: list[Chunk] | tuple[Chunk, ...] | list[str] = (),
         system: str | None = None,
         namespace: str = "default",
+        system_chunks: list[Chunk] | tuple[Chunk, ...] | list[str] = (),
     ) -> None:
         if not isinstance(question, str) or not question.strip():
             raise BadRequestError("the question is empty")
-        if isinstance(chunks, str | bytes) or not isinstance(chunks, list | tuple):
-            raise BadRequestError("chunks must be a list of Chunk or str")
-        items = tuple(c if isinstance(c, Chunk) else Chunk(c) for c in chunks)
+        items = _chunk_tuple(chunks, "chunks")
         if system is not None and not isinstance(system, str):
             raise BadRequestError("system must be a string")
         if not isinstance(namespace, str) or not namespace:
@@ -69,3 +72,10 @@ class RagRequest:
         object.__setattr__(self, "chunks", items)
         object.__setattr__(self, "system", DEFAULT_SYSTEM if system is None else system)
         object.__setattr__(self, "namespace", namespace)
+        object.__setattr__(self, "system_chunks", _chunk_tuple(system_chunks, "system_chunks"))
+
+
+def _chunk_tuple(chunks: object, what: str) -> tuple[Chunk, ...]:
+    if isinstance(chunks, str | bytes) or not isinstance(chunks, list | tuple):
+        raise BadRequestError(f"{what} must be a list of Chunk or str")
+    return tuple(c if isinstance(c, Chunk) else Chunk(c) for c in chunks)

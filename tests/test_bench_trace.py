@@ -11,7 +11,7 @@ from cachecraft.bench.item import WorkloadItem
 from cachecraft.bench.trace import (
     CHAT_PATH,
     COMPLETIONS_PATH,
-    as_pasted,
+    as_served,
     layout_token_ids,
     poisson_arrivals,
     rag_trace,
@@ -103,7 +103,7 @@ def test_a_pasted_trace_sends_what_the_server_cuts_and_vllm_the_same_tokens(
     is the layout of what our server makes of that message."""
     long = Chunk("The Danube flows east through ten countries to the Black Sea. " * 5, "d")
     items = [WorkloadItem("q", RagRequest("Which sea?", [long, _items()[0].request.chunks[0]]))]
-    (ours,) = rag_trace(items, None, 0, paste=True)
+    (ours,) = rag_trace(items, None, 0, client="pasted")
     assert ours.body["documents"] == []
     messages = ours.body["messages"]
     assert [m["role"] for m in messages] == ["system", "user"]
@@ -112,8 +112,24 @@ def test_a_pasted_trace_sends_what_the_server_cuts_and_vllm_the_same_tokens(
     # the long passage is a chunk of its own; the short one (after the last long one) stays
     # in the question with the template's end
     assert [c.text for c in served.chunks][1:] == [long.text]
-    assert served == as_pasted(items[0].request)
-    (peer,) = vllm_trace(items, None, 0, tokenizer=tokenizer, paste=True)
+    assert served == as_served(items[0].request, "pasted")
+    (peer,) = vllm_trace(items, None, 0, tokenizer=tokenizer, client="pasted")
+    assert peer.body["prompt"] == layout_token_ids(served, tokenizer)
+
+
+def test_a_system_trace_puts_the_passages_in_the_system_message(tokenizer: object) -> None:
+    """`--client system`: LangChain's retrieval-chain prompt; the server cuts the system
+    message into chunks (its instruction and each passage), vLLM gets their layout."""
+    long = Chunk("The Danube flows east through ten countries to the Black Sea. " * 5, "d")
+    items = [WorkloadItem("q", RagRequest("Which sea?", [long, long.text.upper()]))]
+    (ours,) = rag_trace(items, None, 0, client="system")
+    assert ours.body["documents"] == []
+    system, user = ours.body["messages"]
+    assert long.text in system["content"] and user["content"] == "Which sea?"
+    served = as_served(items[0].request, "system")
+    assert [c.text for c in served.system_chunks][1:] == [long.text, long.text.upper()]
+    assert served.chunks == () and served.question == "Which sea?"
+    (peer,) = vllm_trace(items, None, 0, tokenizer=tokenizer, client="system")
     assert peer.body["prompt"] == layout_token_ids(served, tokenizer)
 
 

@@ -483,3 +483,26 @@ def test_a_long_prompt_sent_again_reuses_its_question_blocks_exactly(llm: LLM, m
     assert again.report.tokens_computed < QUESTION_KEEP + QUESTION_BLOCK
     assert (again.first_token_logits - full.first_token_logits).abs().max() < 1e-4
     assert again.token_ids == full.token_ids
+
+
+@pytest.mark.parametrize("mode", ["prefix", "cachecraft"])
+def test_context_in_the_system_message_is_reused(llm: LLM, mode: str) -> None:
+    """System chunks are chunk-caches like any other: sent again, reused exactly (the
+    template's end of the system turn too); in a new order, reused with a recompute, and
+    with every token recomputed the answer is the full prefill's."""
+    request = RagRequest("Which one is tallest?", system="Use these.", system_chunks=DOCS[:3])
+    full = _run(llm, request, "full")
+    _run(llm, request, mode)
+    again = _run(llm, request, mode)
+    assert len(again.report.chunks) == 4
+    assert all(c.is_hit and c.tokens_recomputed == 0 for c in again.report.chunks)
+    layout = build_layout(request, llm.loaded.tokenizer, "f")
+    assert again.report.tokens_computed == len(layout.question_ids)
+    assert (again.first_token_logits - full.first_token_logits).abs().max() < 1e-4
+    assert again.token_ids == full.token_ids
+    moved = RagRequest("Which one is tallest?", system="Use these.", system_chunks=DOCS[2::-1])
+    everything = [[c.num_tokens for c in build_layout(moved, llm.loaded.tokenizer, "f").chunks]]
+    out = llm.generate(moved, GREEDY, mode="cachecraft", budgets=everything, keep_logits=True)[0]
+    assert [c.is_hit for c in out.report.chunks] == [True, True, True, True]
+    want = _run(llm, moved, "full")
+    assert (out.first_token_logits - want.first_token_logits).abs().max() < 1e-4

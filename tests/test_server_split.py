@@ -5,6 +5,8 @@ pasted passages across requests and chat turns."""
 
 from __future__ import annotations
 
+import copy
+
 import httpx
 import openai
 import pytest
@@ -15,10 +17,11 @@ from test_server import client
 from cachecraft.api import chat_request, prompt_token_ids
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.reuse.layout import SYSTEM_END, build_layout
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.generation import to_rag
 from cachecraft.server.launch import start_server
-from cachecraft.server.protocol import CompletionRequest
+from cachecraft.server.protocol import ChatCompletionRequest, CompletionRequest
 from cachecraft.server.split import history_chunks, pasted_chunks
 from cachecraft.store.config import StoreConfig
 
@@ -102,12 +105,17 @@ SEPARATOR = st.sampled_from(["\n", "\n\n", "\n\n\n", "\n \n", "\n\t\n  \n"])
 
 
 @settings(deadline=None)  # correctness only: a busy machine must not fail it on time
-@given(st.lists(st.tuples(PARAGRAPH, SEPARATOR), min_size=1, max_size=9), st.integers(0, 400))
+@given(
+    st.lists(st.tuples(PARAGRAPH, SEPARATOR), min_size=1, max_size=9),
+    st.integers(0, 400),
+    st.booleans(),
+)
 def test_cutting_keeps_the_text_and_every_long_paragraph_ends_a_chunk(
-    parts: list[tuple[str, str]], max_chars: int
+    parts: list[tuple[str, str]], max_chars: int, keep_question: bool
 ) -> None:
     text = "".join(p + sep for p, sep in parts[:-1]) + parts[-1][0]
-    chunks, rest = pasted_chunks(text, "m", max_chars=max_chars or None)
+    cap = max_chars or None
+    chunks, rest = pasted_chunks(text, "m", max_chars=cap, keep_question=keep_question)
     # chunks are slices of the text, in order, and the rest is its tail
     at = 0
     for c in chunks:
@@ -116,13 +124,28 @@ def test_cutting_keeps_the_text_and_every_long_paragraph_ends_a_chunk(
         assert max_chars == 0 or len(c.text) <= max_chars
         at = found + len(c.text)
     assert text.endswith(rest) and text[at : len(text) - len(rest)].strip() == ""
-    if not max_chars:  # uncapped: each long paragraph but the last ends a chunk of its own
-        non_blank = [p for p, _ in parts if p.strip()]
-        longs = [p for p in non_blank[:-1] if len(p) >= 256]
-        preamble = len(chunks) - len(longs)
-        assert preamble in (0, 1)  # the short paragraphs before the first long one
-        assert all(c.text.endswith(p) for c, p in zip(chunks[preamble:], longs, strict=True))
+    if max_chars:
+        return
+    if not keep_question:  # uncapped, a system message is all chunks or not cut at all
+        assert not rest.strip() if chunks else rest == text
+    if any(sep == "\n" for _, sep in parts[:-1]):
+        return  # a short line and the next are one paragraph: the parts are not paragraphs
+    # each long paragraph but the question's ends a chunk of its own
+    non_blank = [p for p, _ in parts if p.strip()]
+    longs = [p for p in (non_blank[:-1] if keep_question else non_blank) if len(p) >= 256]
+    if keep_question:
         assert rest.strip() or not non_blank
+        trailing = 0
+    elif longs:  # all of it is chunks, the short paragraphs after the last long one too
+        assert not rest.strip()
+        trailing = int(non_blank[-1] is not longs[-1] and len(non_blank[-1]) < 256)
+    else:
+        assert (chunks, rest) == ([], text)  # not cut at all
+        return
+    preamble = len(chunks) - len(longs) - trailing
+    assert preamble in (0, 1)  # the short paragraphs before the first long one
+    ends = chunks[preamble : len(chunks) - trailing]
+    assert all(c.text.endswith(p) for c, p in zip(ends, longs, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -143,6 +166,67 @@ def test_an_oversized_chunk_and_all_after_it_stay_in_the_question() -> None:
     chunks, rest = pasted_chunks(text, "prompt", max_chars=len(long) - 1)
     assert [c.text for c in chunks] == [PASSAGES[0]]  # order kept: nothing after the big one
     assert rest == "\n\n".join([long, PASSAGES[2], "Q?"])
+
+
+def test_a_system_message_is_all_chunks_or_none() -> None:
+    """The context a client puts in its system message: every paragraph is in a chunk, the
+    short ones after the last passage (an instruction) one of their own."""
+    text = "\n\n".join(["Answer from the context.", *PASSAGES[:2], "Say so if unsure."])
+    chunks, rest = pasted_chunks(text, "system", keep_question=False)
+    assert [c.text for c in chunks] == [
+        "Answer from the context.",
+        *PASSAGES[:2],
+        "Say so if unsure.",
+    ]
+    assert [c.id for c in chunks] == [f"system.paragraphs[{k}]" for k in range(4)]
+    assert rest == ""
+    chunks, rest = pasted_chunks("\n\n".join(PASSAGES), "system", keep_question=False)
+    assert [c.text for c in chunks] == PASSAGES and rest == ""
+    short = "You are a helpful assistant.\n\nBe brief."
+    assert pasted_chunks(short, "system", keep_question=False) == ([], short)
+
+
+def test_system_context_becomes_system_chunks() -> None:
+    system = "\n\n".join(["Use the context.", *PASSAGES[:2]])
+    body = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Who?"}]
+    }
+    rag = to_rag(ChatCompletionRequest(model="m", **body), "default")
+    assert [c.text for c in rag.system_chunks] == ["Use the context.", *PASSAGES[:2]]
+    assert rag.system == "" and rag.chunks == () and rag.question == "Who?"
+    whole = to_rag(
+        ChatCompletionRequest(model="m", **body), "d", ServerConfig(max_document_chars=200)
+    )
+    assert whole.system == system and whole.system_chunks == ()  # a passage too big: not cut
+    off = to_rag(ChatCompletionRequest(model="m", **body), "d", ServerConfig(pasted_chunk_chars=0))
+    assert off.system == system and off.system_chunks == ()
+
+
+def test_system_chunks_lay_out_inside_the_system_turn(tiny: LoadedModel) -> None:
+    """The prompt is the chat template's rendering of the client's system message (with a
+    blank line after its last chunk); the template's end of the system turn is a slot."""
+    tokenizer = tiny.tokenizer
+    system = "\n\n".join(["Use the context.", *PASSAGES[:2]])
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Who?"}]
+    rag = chat_request(messages)
+    layout = build_layout(rag, tokenizer, fingerprint="f")
+    labels = [*(f"system.paragraphs[{k}]" for k in range(3)), SYSTEM_END]
+    assert [c.label for c in layout.chunks] == labels
+    rendered = [{"role": "system", "content": system + "\n\n"}, *messages[1:]]
+    rendered[1] = {"role": "user", "content": "Question: Who?"}
+    want = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(layout.token_ids) == want
+    # the same passage is the same chunk-cache in the system message and in a user message
+    pasted = build_layout(RagRequest("Who?", [PASSAGES[1]]), tokenizer, fingerprint="f")
+    assert pasted.chunks[0].key == layout.chunks[2].key
+    # a template that does not render the system message first: the chunks open the user turn
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = (
+        "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+    )
+    fallback = build_layout(rag, plain, fingerprint="f")
+    assert [c.key for c in fallback.chunks] == [c.key for c in layout.chunks[:3]]
+    assert plain.decode(fallback.token_ids) == system + "\n\nQuestion: Who?"
 
 
 def test_history_cuts_a_user_turn_as_it_was_cut_when_it_was_the_question() -> None:
@@ -267,3 +351,39 @@ def test_a_chat_reuses_the_context_pasted_into_its_earlier_turn_exactly(tiny: Lo
         assert [c["label"] for c in second] == [c["label"] for c in first] + ["messages[1:3]"]
         for c in second[:3]:
             assert c["is_hit"] and c["is_exact"] and c["tokens_recomputed"] == 0
+
+
+def test_context_in_the_system_message_is_reused(tiny: LoadedModel) -> None:
+    """LangChain's retrieval chain puts the passages in the system message: the server reuses
+    them in a new order, and exactly in the chat's next turn."""
+    exact = StoreConfig(storage_dtype="float32")
+
+    def system(passages: list[str]) -> dict[str, str]:
+        context = "\n\n".join(passages)
+        return {"role": "system", "content": f"Answer from the context.\n\n{context}"}
+
+    with start_server("cachecraft", loaded=tiny, store=exact) as base:
+
+        def ask(messages: list[dict[str, str]]) -> list[dict[str, object]]:
+            reply = client(base).chat.completions.create(
+                model="cachecraft", messages=messages, max_tokens=4, temperature=0
+            )
+            return reply.usage.model_extra["cachecraft"]["chunks"]
+
+        first = [system(PASSAGES[:2]), {"role": "user", "content": "Who won two Nobel Prizes?"}]
+        report = ask(first)
+        assert [c["label"] for c in report] == [
+            *(f"system.paragraphs[{k}]" for k in range(3)),
+            SYSTEM_END,
+        ]
+        assert not any(c["is_hit"] for c in report)
+        report = ask([system(PASSAGES[::-1]), {"role": "user", "content": "Where is the reef?"}])
+        assert [c["is_hit"] for c in report] == [True, False, True, True, True]
+        assert report[0]["is_exact"] and report[0]["tokens_recomputed"] == 0
+        chat = [
+            *first,
+            {"role": "assistant", "content": "Curie."},
+            {"role": "user", "content": "When?"},
+        ]
+        report = ask(chat)
+        assert all(c["is_hit"] and c["tokens_recomputed"] == 0 for c in report[:4])

@@ -248,7 +248,7 @@ def _ours(
     """Our server in `mode`, started and warmed up, as a `RunAt`."""
     namespace = f"bench-{mode}-{seed}"  # one cache per system and stream, warm across runs
     with _server_context(start_server, mode) as base_url:
-        kw = {"namespace": namespace, "ignore_eos": opts["ignore_eos"], "paste": opts["paste"]}
+        kw = {"namespace": namespace, "ignore_eos": opts["ignore_eos"], "client": opts["client"]}
         opts["progress"](mode, f"warming up with {len(warm_items)} requests")
         _warm_up(base_url, rag_trace(warm_items, None, seed, mode, opts["max_tokens"], **kw))
 
@@ -290,7 +290,7 @@ def _vllm(
             "tokenizer": tokenizer,
             "model": srv.model_name,
             "ignore_eos": opts["ignore_eos"],
-            "paste": opts["paste"],
+            "client": opts["client"],
             "max_tokens": opts["max_tokens"],
             "cache_salt": f"bench-vllm-{seed}",  # one cache per stream, warm across runs
         }
@@ -333,7 +333,7 @@ def run_serve_bench(
     progress: Progress | None = None,
     burst: bool = True,
     dtype: str = "float32",
-    paste: bool = False,
+    client: str = "documents",
 ) -> dict[str, Any]:
     """Replay one request stream (synthetic Zipf workload unless `items`) per system (each
     mode, then the peer, all started at once): its first `warmup` requests one by one,
@@ -347,8 +347,8 @@ def run_serve_bench(
     included; `max_throughput_run` names the run) and its computed prompt tokens/s there;
     latencies at `common_rate`, the highest rate every system sustained. `ignore_eos` makes every mode
     generate exactly `max_tokens`, so latencies compare prefill work, not answer lengths.
-    `paste`: our servers get each request's passages pasted into the user message (the
-    trace's `pasted_messages`), not as documents. `peer_server` replaces the vLLM launcher
+    `client`: how our servers get each request's passages (`trace.CLIENTS`: the documents
+    field, or pasted into the user or the system message); vLLM the same prompt tokens. `peer_server` replaces the vLLM launcher
     (tests). `dtype` is vLLM's (our servers take theirs from `server_factory`: `cachecraft
     bench serve --dtype` passes the same to both)."""
     if not rates or any(r <= 0 for r in rates):
@@ -377,7 +377,7 @@ def run_serve_bench(
         "latency_bound": latency_bound,
         "burst": burst,
         "dtype": dtype,
-        "paste": paste,
+        "client": client,
         "progress": progress or (lambda system, message: None),
     }
     warm_items, runs = stream
@@ -404,7 +404,7 @@ def run_serve_bench(
             "max_runs": max_runs,
             "burst": burst,
             "dtype": dtype,
-            "client": "pasted" if paste else "documents",
+            "client": client,
         },
     }
     systems = list(per_mode)

@@ -19,6 +19,7 @@ from cachecraft.bench.serve_bench import (
     ServerFactory,
     run_serve_bench,
 )
+from cachecraft.bench.trace import CLIENTS
 from cachecraft.errors import CachecraftError
 
 
@@ -79,11 +80,12 @@ def add_bench_serve_parser(
     )
     parser.add_argument(
         "--client",
-        choices=("documents", "pasted"),
+        choices=CLIENTS,
         default="documents",
-        help="how our servers get a request's passages: the documents field, or pasted into "
-        "the user message (LangChain's stuff prompt) and cut into chunks by the server; vLLM "
-        "gets the same prompt tokens either way (not with --workload chat)",
+        help="how our servers get a request's passages: the documents field, pasted into the "
+        "user message (LangChain's stuff prompt), or into the system message (LangChain's "
+        "retrieval chain), cut into chunks by the server; vLLM gets the same prompt tokens "
+        "(not with --workload chat or shared-prefix)",
     )
     parser.add_argument("--zipf", type=float, default=1.0, help="wiki-qa question popularity")
     parser.add_argument(
@@ -132,8 +134,8 @@ def _print_progress(system: str, message: str) -> None:
 
 
 def main_serve_bench(args: argparse.Namespace) -> int:
-    if args.client == "pasted" and args.workload in ("chat", "shared-prefix"):
-        raise CachecraftError(f"--client pasted pastes passages; {args.workload} has none")
+    if args.client != "documents" and args.workload in ("chat", "shared-prefix"):
+        raise CachecraftError(f"--client {args.client} pastes passages; {args.workload} has none")
     items = _items(args)
     factory = args.server_factory
     if args.dtype != "float32":  # our servers in the same dtype as vLLM
@@ -153,7 +155,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         progress=_print_progress,
         burst=args.burst,
         dtype=args.dtype,
-        paste=args.client == "pasted",
+        client=args.client,
     )
     result["config"]["workload"] = args.workload
     if args.json:

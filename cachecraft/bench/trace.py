@@ -1,7 +1,7 @@
 """Serving traces: Poisson arrival times and the HTTP request bodies replayed by the load generator.
 
-`rag_trace` makes chat-completion bodies for our server (documents as an extension field, or,
-with `paste`, the passages pasted into the user message as most RAG clients send them);
+`rag_trace` makes chat-completion bodies for our server (documents as an extension field, or
+the passages pasted into the user or the system message, as most RAG clients send them);
 `vllm_trace` makes `/v1/completions` bodies whose prompt is the token id list of exactly the
 prompt layout our engine builds, so both servers prefill the same tokens. Owns no I/O.
 """
@@ -26,6 +26,18 @@ PASTED_TEMPLATE = (
 )
 """LangChain's classic "stuff" question-answering prompt, the passages joined by blank lines:
 how a RAG client that never heard of `documents` sends them."""
+
+SYSTEM_TEMPLATE = (
+    "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
+    "context to answer the question. If you don't know the answer, say that you don't know. "
+    "Use three sentences maximum and keep the answer concise.\n\n{context}"
+)
+"""The system prompt of LangChain's retrieval-chain tutorial: the passages (joined by blank
+lines) in the system message, the user message the bare question."""
+
+CLIENTS = ("documents", "pasted", "system")
+"""How a trace's chat bodies carry each request's passages: our `documents` field, pasted into
+the user message (`PASTED_TEMPLATE`), or in the system message (`SYSTEM_TEMPLATE`)."""
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -60,17 +72,33 @@ def _arrivals(items: Sequence[WorkloadItem], rate: float | None, seed: int) -> l
     return [it.arrival_s or 0.0 for it in items]
 
 
-def pasted_messages(request: RagRequest) -> list[dict[str, str]]:
-    """`request` as a chat whose user message pastes its chunks (`PASTED_TEMPLATE`)."""
+def client_messages(request: RagRequest, client: str) -> list[dict[str, str]]:
+    """`request` as the chat messages `client` (one of `CLIENTS`) sends: with "documents" the
+    passages are not in them (they go in the documents field)."""
     context = "\n\n".join(c.text for c in request.chunks)
-    user = PASTED_TEMPLATE.format(context=context, question=request.question)
-    return [{"role": "system", "content": request.system}, {"role": "user", "content": user}]
+    if client == "pasted":
+        user = PASTED_TEMPLATE.format(context=context, question=request.question)
+        return [{"role": "system", "content": request.system}, {"role": "user", "content": user}]
+    if client == "system":
+        system = SYSTEM_TEMPLATE.format(context=context)
+        return [
+            {"role": "system", "content": system},
+            {"role": "user", "content": request.question},
+        ]
+    if client != "documents":
+        raise BadRequestError(f"unknown client {client!r}; choose one of {', '.join(CLIENTS)}")
+    return [
+        {"role": "system", "content": request.system},
+        {"role": "user", "content": request.question},
+    ]
 
 
-def as_pasted(request: RagRequest) -> RagRequest:
-    """What our server makes of `pasted_messages(request)` (its pasted context cut into
-    chunks): the request whose layout vLLM is sent for a pasted trace."""
-    return chat_request(pasted_messages(request), namespace=request.namespace)
+def as_served(request: RagRequest, client: str) -> RagRequest:
+    """What our server makes of `request` sent as `client` sends it (pasted context cut into
+    chunks): the request whose layout vLLM is sent for that client's trace."""
+    if client == "documents":
+        return request
+    return chat_request(client_messages(request, client), namespace=request.namespace)
 
 
 def chat_body(
@@ -80,19 +108,15 @@ def chat_body(
     model: str = "cachecraft",
     namespace: str | None = None,
     ignore_eos: bool = False,
-    paste: bool = False,
+    client: str = "documents",
 ) -> dict[str, Any]:
-    """A streamed, greedy chat-completion body for our server: documents as an extension,
-    or with `paste` pasted into the user message (`pasted_messages`)."""
-    messages = [
-        {"role": "system", "content": request.system},
-        {"role": "user", "content": request.question},
-    ]
+    """A streamed, greedy chat-completion body for our server: the passages as `client` sends
+    them (`client_messages`; "documents": in our documents field)."""
     documents = [{"id": c.id, "text": c.text} if c.id else {"text": c.text} for c in request.chunks]
     body: dict[str, Any] = {
         "model": model,
-        "messages": pasted_messages(request) if paste else messages,
-        "documents": [] if paste else documents,
+        "messages": client_messages(request, client),
+        "documents": documents if client == "documents" else [],
         "cache_namespace": namespace or request.namespace,
         "temperature": 0,
         "max_tokens": max_tokens,
@@ -115,16 +139,16 @@ def rag_trace(
     model: str = "cachecraft",
     namespace: str | None = None,
     ignore_eos: bool = False,
-    paste: bool = False,
+    client: str = "documents",
 ) -> list[TraceRequest]:
     """Chat-completion requests for our server, Poisson at `rate` (None: the items' own
     `arrival_s`). `namespace` overrides each request's cache namespace (a fresh one per run
-    gives every run an empty cache on a shared server); `paste`: see `chat_body`."""
+    gives every run an empty cache on a shared server); `client`: see `chat_body`."""
     arrivals = _arrivals(items, rate, seed)
     return [
         TraceRequest(
             arrival_s=t,
-            body=chat_body(it.request, mode, max_tokens, model, namespace, ignore_eos, paste),
+            body=chat_body(it.request, mode, max_tokens, model, namespace, ignore_eos, client),
             path=CHAT_PATH,
             id=it.id,
         )
@@ -169,9 +193,9 @@ def vllm_trace(
     max_tokens: int = 32,
     cache_salt: str | None = None,
     ignore_eos: bool = False,
-    paste: bool = False,
+    client: str = "documents",
 ) -> list[TraceRequest]:
-    """The same arrivals as `rag_trace(items, rate, seed, paste=paste)` as vLLM completion
+    """The same arrivals as `rag_trace(items, rate, seed, client=client)` as vLLM completion
     requests whose prompt is `layout_token_ids` of what our server makes of each.
     `cache_salt` isolates a run's prefix cache in vLLM."""
     arrivals = _arrivals(items, rate, seed)
@@ -179,7 +203,7 @@ def vllm_trace(
         TraceRequest(
             arrival_s=t,
             body=completions_body(
-                layout_token_ids(as_pasted(it.request) if paste else it.request, tokenizer),
+                layout_token_ids(as_served(it.request, client), tokenizer),
                 max_tokens,
                 model,
                 cache_salt,

@@ -2,8 +2,10 @@
 
 Each chunk is tokenized on its own (as `text + "\\n\\n"`), so its ids and key are the same
 wherever it appears; a long question lends its leading token blocks to chunk slots too
-(`QUESTION_BLOCK`). The template is rendered once around a sentinel to find its head (goes
-into the prefix, after the system prompt) and its tail (goes after the question).
+(`QUESTION_BLOCK`). The template is rendered around a sentinel to find its head (goes into the
+prefix, after the system prompt) and its tail (goes after the question). Context carried by
+the system message (`RagRequest.system_chunks`) is chunks inside the system turn: the head
+then ends where they begin, and the template's end of the system turn is a slot of its own.
 """
 
 from __future__ import annotations
@@ -28,19 +30,44 @@ A long prompt sent again, or with its long beginning shared, is then reused as v
 cache reuses it."""
 
 
+SYSTEM_SENTINEL = "\x00CACHECRAFT-SYSTEM\x00"
+SYSTEM_END = "template"
+"""Label of the slot between a system message's chunks and the user message (the template's
+end of the system turn, e.g. `<|im_end|>\n<|im_start|>user\n`): the same tokens in every
+request, so it is a chunk-cache of its own."""
+
+
 class TemplateParts(NamedTuple):
+    """head: before the user message (or before the system chunks when `middle` is not None);
+    middle: between the system chunks and the user message; tail: after the user message."""
+
     head: str
     tail: str
+    middle: str | None = None
 
 
-def template_parts(tokenizer: Any, system: str) -> TemplateParts:
-    """Text before and after the user message for `system` (plain fallback without template)."""
+def _render(tokenizer: Any, system: str) -> str:
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": SENTINEL}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        head, _, tail = text.partition(SENTINEL)
-        return TemplateParts(head, tail)
-    return TemplateParts(f"{system}\n\n", "\nAnswer:")
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return f"{system}\n\n{SENTINEL}\nAnswer:"  # plain fallback without a template
+
+
+def template_parts(tokenizer: Any, system: str, system_chunks: bool = False) -> TemplateParts:
+    """Text around the user message for `system`. With `system_chunks`, the system message is
+    `system` (and a blank line, when not empty) followed by the chunks, and `head` ends where
+    they begin, `middle` runs from after them to the user message; a template that does not
+    render the system message before the user message gives `middle` None (the chunks then
+    open the user message)."""
+    if system_chunks:
+        lead = f"{system}\n\n" if system else ""
+        text = _render(tokenizer, lead + SYSTEM_SENTINEL)
+        before, _, tail = text.partition(SENTINEL)
+        head, found, middle = before.partition(SYSTEM_SENTINEL)
+        if found:
+            return TemplateParts(head, tail, middle)
+    head, _, tail = _render(tokenizer, system).partition(SENTINEL)
+    return TemplateParts(head, tail)
 
 
 def question_text(question: str) -> str:
@@ -57,23 +84,25 @@ def build_layout(
     request: RagRequest, tokenizer: Any, fingerprint: str, max_tokens: int | None = None
 ) -> PromptLayout:
     """The request's prompt layout with chunk and prefix keys; checks the context length."""
-    parts = template_parts(tokenizer, request.system)
+    parts = template_parts(tokenizer, request.system, bool(request.system_chunks))
     prefix_ids = _encode(tokenizer, parts.head)
-    slots = []
-    start = len(prefix_ids)
-    for chunk in request.chunks:
-        ids = _encode(tokenizer, chunk.text + CHUNK_SEPARATOR)
+    slots: list[ChunkSlot] = []
+
+    def add(ids: tuple[int, ...], label: str | None) -> None:
+        start = slots[-1].end if slots else len(prefix_ids)
         key = chunk_key(fingerprint, request.namespace, ids)
-        slots.append(ChunkSlot(key=key, label=chunk.id, token_ids=ids, start=start))
-        start += len(ids)
+        slots.append(ChunkSlot(key=key, label=label, token_ids=ids, start=start))
+
+    for chunk in request.system_chunks:
+        add(_encode(tokenizer, chunk.text + CHUNK_SEPARATOR), chunk.id)
+    if parts.middle:
+        add(_encode(tokenizer, parts.middle), SYSTEM_END)
+    for chunk in request.chunks:
+        add(_encode(tokenizer, chunk.text + CHUNK_SEPARATOR), chunk.id)
     question_ids = _encode(tokenizer, question_text(request.question) + parts.tail)
     cut = 0  # question tokens lent to blocks so far
     while len(question_ids) - cut >= QUESTION_BLOCK + QUESTION_KEEP:
-        ids = question_ids[cut : cut + QUESTION_BLOCK]
-        key = chunk_key(fingerprint, request.namespace, ids)
-        label = f"question[{cut}:{cut + QUESTION_BLOCK}]"
-        slots.append(ChunkSlot(key=key, label=label, token_ids=ids, start=start))
-        start += QUESTION_BLOCK
+        add(question_ids[cut : cut + QUESTION_BLOCK], f"question[{cut}:{cut + QUESTION_BLOCK}]")
         cut += QUESTION_BLOCK
     question_ids = question_ids[cut:]
     layout = PromptLayout(

@@ -377,7 +377,9 @@ def create_app(
         check_documents(body.documents)
         ns = scoped(base_ns, body.cache_namespace)
         rag = to_rag(body, ns, config)
-        if rag.chunks:  # what other replicas deleted must not be served from memory here
+        if (
+            rag.chunks or rag.system_chunks
+        ):  # what other replicas deleted must not be served from memory here
             await asyncio.to_thread(chunks.follow_registry, store, state.registry)
         sampling = sampling_of(body, config)
         layout = await tokenized(rag)

@@ -40,7 +40,9 @@ def to_rag(
     namespace: str,
     config: ServerConfig | None = None,
 ) -> RagRequest:
-    """system messages -> system; earlier turns (tool results included) -> chunks
+    """system messages -> system, and the context pasted into them (retrieved passages, as
+    LangChain's and LlamaIndex's chat prompts put them there) -> system chunks (`pasted_chunks`
+    of the whole message); earlier turns (tool results included) -> chunks
     (`history_chunks`), then the documents -> chunks; the last user message (a completion's
     prompt) -> chunks of the context pasted into it (`pasted_chunks` with the server's
     `pasted_chunk_chars`, none when 0, and `max_document_chars`), the rest of it -> the
@@ -69,8 +71,15 @@ def to_rag(
     history = history_chunks([(i, m.role, m.text()) for i, m in turns[:-1]], *split)
     where = f"messages[{last}]"
     pasted, question = pasted_chunks(message.text(), where, *split)
+    in_system, rest = pasted_chunks(system, "system", *split, keep_question=False)
+    if rest.strip():  # a passage over max_document_chars: the system message stays whole
+        in_system = []
     return RagRequest(
-        question, history + chunks + pasted, system=system or None, namespace=namespace
+        question,
+        history + chunks + pasted,
+        system="" if in_system else system or None,
+        namespace=namespace,
+        system_chunks=in_system,
     )
 
 

@@ -90,7 +90,12 @@ def history_chunks(
 
 
 def pasted_chunks(
-    text: str, where: str, min_chars: int = PASTED_CHUNK_CHARS, max_chars: int | None = None
+    text: str,
+    where: str,
+    min_chars: int = PASTED_CHUNK_CHARS,
+    max_chars: int | None = None,
+    *,
+    keep_question: bool = True,
 ) -> tuple[list[Chunk], str]:
     """(chunks, rest): the paragraphs of `text` (`_breaks`) before its last one as chunks, the
     rest as the question. A paragraph of at least `min_chars` closes a chunk together with the
@@ -103,7 +108,12 @@ def pasted_chunks(
 
     Chunks are exact slices of `text` and the rest is its exact tail; the line break after a
     chunk becomes the layout's one blank line. Labels name the paragraphs:
-    `messages[3].paragraphs[0:2]`. `min_chars` 0: no chunks."""
+    `messages[3].paragraphs[0:2]`. `min_chars` 0: no chunks.
+
+    `keep_question` False (a system message: all context, no question): the last paragraph
+    is cut like the others and the short ones after the last long one are a last chunk, so
+    the rest is empty unless `max_chars` stopped the cutting; text without a long paragraph
+    is still not cut at all."""
     if min_chars <= 0:
         return [], text
     breaks = _breaks(text, min_chars)
@@ -122,7 +132,8 @@ def pasted_chunks(
         chunks.append(Chunk(body, f"{where}.{label}"))
         return True
 
-    for k in range(last):
+    stop = last if keep_question else last + 1
+    for k in range(stop):
         if sizes[k] < min_chars:
             continue
         if not chunks and first < k:  # the short paragraphs before the first long one
@@ -132,4 +143,7 @@ def pasted_chunks(
         if not close(k):
             break
         first = k + 1
-    return chunks, text[starts[first] :]
+    else:  # no break: with keep_question False, the short paragraphs after the last long one
+        if not keep_question and chunks and first <= last and close(last):
+            first = last + 1
+    return chunks, text[starts[first] :] if first < len(starts) else ""
