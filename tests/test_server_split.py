@@ -77,11 +77,24 @@ def test_a_passage_is_the_same_chunk_wherever_it_is_pasted() -> None:
     assert {c.text for c in a} <= {c.text for c in b}
 
 
-def test_a_long_line_ends_a_paragraph_and_wrapped_lines_do_not() -> None:
+def test_a_long_line_is_a_paragraph_and_wrapped_lines_are_not() -> None:
     text = "Context:\n" + "\n".join(PASSAGES) + "\nQuestion: Which river?"
     chunks, rest = pasted_chunks(text, "m")
-    assert [c.text for c in chunks] == ["Context:\n" + PASSAGES[0], *PASSAGES[1:]]
+    assert [c.text for c in chunks] == ["Context:", *PASSAGES]
     assert rest == "Question: Which river?"
+    # LlamaIndex's question-answering prompt: the first passage is not glued to the heading;
+    # a label line still goes with the passage under it
+    rule = "---------------------"
+    ask = "Given the context information and not prior knowledge, answer the query.\nQuery: Q?"
+    body = "\n".join([*PASSAGES[:2], "[3] Reef", PASSAGES[2]])
+    text = f"Context information is below.\n{rule}\n{body}\n{rule}\n{ask}\nAnswer: "
+    chunks, rest = pasted_chunks(text, "m")
+    assert [c.text for c in chunks] == [
+        f"Context information is below.\n{rule}",
+        *PASSAGES[:2],
+        "[3] Reef\n" + PASSAGES[2],
+    ]
+    assert rest == f"{rule}\n{ask}\nAnswer: "
     wrapped = "\n".join(PASSAGES[0][i : i + 70] for i in range(0, len(PASSAGES[0]), 70))
     chunks, rest = pasted_chunks(f"{wrapped}\n\nQ?", "m")
     assert [c.text for c in chunks] == [wrapped] and rest == "Q?"  # one paragraph of short lines

@@ -32,15 +32,18 @@ NEWLINES = re.compile(r"\n(?:[^\S\n]*\n)*")
 
 
 def _breaks(text: str, min_chars: int) -> list[tuple[int, int]]:
-    """Where `text` breaks into paragraphs: at blank lines, and after a line of at least
-    `min_chars` (a passage written on one line, as `"\n".join(passages)` pastes them)."""
-    out = []
-    line = 0  # where the current line starts
-    for m in NEWLINES.finditer(text):
-        if "\n" in m.group()[1:] or len(text[line : m.start()].strip()) >= min_chars:
-            out.append(m.span())
-        line = m.end()
-    return out
+    """Where `text` breaks into paragraphs: at blank lines, and before and after a line of at
+    least `min_chars` (a passage written on one line, as `"\n".join(passages)` pastes them,
+    right under a heading such as LlamaIndex's "Context information is below.\n-----")."""
+    newlines = list(NEWLINES.finditer(text))
+    starts = [0] + [m.end() for m in newlines]
+    ends = [m.start() for m in newlines] + [len(text)]
+    long = [len(text[a:b].strip()) >= min_chars for a, b in zip(starts, ends, strict=True)]
+    return [
+        m.span()
+        for i, m in enumerate(newlines)
+        if "\n" in m.group()[1:] or long[i] or long[i + 1]
+    ]
 
 
 def history_chunks(
