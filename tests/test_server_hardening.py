@@ -192,6 +192,35 @@ def test_n_choices_streamed_and_not(small: LoadedModel) -> None:
         assert s.engine.num_running == 0 and s.engine.num_waiting == 0
 
 
+def test_batched_prompts_answer_each_prompt(small: LoadedModel) -> None:
+    """A completion's list of prompts (LangChain's completion model sends them so) was a 400:
+    now each prompt gets its `n` choices at p * n + i, each the answer it gets alone, streamed
+    or not, and usage counts every prompt once."""
+    from openai import OpenAI
+
+    prompts = ["Name a colour.", "Name a river.", "Count to three."]
+    kw = {"model": "cachecraft", "max_tokens": 4, "extra_body": {"ignore_eos": True}}
+    with serving(small, ServerConfig()) as s:
+        client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+        batch = client.completions.create(prompt=prompts, n=2, **kw)
+        assert [c.index for c in batch.choices] == list(range(6))
+        want = [a.choices[0].text for a in alone for _ in range(2)]  # greedy: n equal answers
+        assert [c.text for c in batch.choices] == want
+        assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert batch.usage.completion_tokens == 6 * 4
+        texts = [""] * 3
+        for chunk in client.completions.create(prompt=prompts, stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+        assert texts == [a.choices[0].text for a in alone]
+        empty = httpx.post(
+            s.url + "/v1/completions", json={"prompt": [], "max_tokens": 2}, timeout=T
+        )
+        assert "at least one" in openai_error(empty, 400)["message"]
+        assert s.engine.num_running == 0 and s.engine.num_waiting == 0
+
+
 def test_a_client_leaving_an_n_stream_frees_every_choice(small: LoadedModel) -> None:
     body = chat(n=3, max_tokens=400, ignore_eos=True, stream=True)
     with serving(small, ServerConfig()) as s:

@@ -36,7 +36,7 @@ from cachecraft.server.generation import (
     choice_sampling,
     respond,
     sampling_of,
-    to_rag,
+    to_rags,
 )
 from cachecraft.server.metrics import ServerMetrics
 from cachecraft.server.protocol import (
@@ -376,22 +376,26 @@ def create_app(
         check_fields(body)
         check_documents(body.documents)
         ns = scoped(base_ns, body.cache_namespace)
-        rag = to_rag(body, ns, config)
-        if (
-            rag.chunks or rag.system_chunks
-        ):  # what other replicas deleted must not be served from memory here
+        rags = to_rags(body, ns, config)
+        if any(r.chunks or r.system_chunks for r in rags):
+            # what other replicas deleted must not be served from memory here
             await asyncio.to_thread(chunks.follow_registry, store, state.registry)
         sampling = sampling_of(body, config)
-        layout = await tokenized(rag)
+        layouts = [await tokenized(rag) for rag in rags]
         loop = asyncio.get_running_loop()
         chat = isinstance(body, ChatCompletionRequest)
+        n = body.n or 1
         gens: list[Generation] = []
-        try:  # one engine request per choice (OpenAI's `n`); all planned, or none kept
-            for i in range(body.n or 1):
-                handle = engine.submit(
-                    rag, choice_sampling(sampling, i), mode, loop=loop, layout=layout
-                )
-                gens.append(Generation(state, handle, chat, body.model, ns, sampling.stop, i))
+        try:  # one engine request per prompt and choice (`n`); all planned, or none kept
+            for p, (rag, layout) in enumerate(zip(rags, layouts, strict=True)):
+                for i in range(n):
+                    handle = engine.submit(
+                        rag, choice_sampling(sampling, i), mode, loop=loop, layout=layout
+                    )
+                    index = p * n + i
+                    gens.append(
+                        Generation(state, handle, chat, body.model, ns, sampling.stop, index)
+                    )
             for gen in gens:
                 await gen.planned()
         except BaseException:
@@ -399,7 +403,7 @@ def create_app(
                 gen.handle.abort()
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, gens, body.stream, include_usage)
+        return await respond(request, gens, body.stream, include_usage, n)
 
     @app.post("/v1/chat/completions")
     async def chat(

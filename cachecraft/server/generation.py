@@ -51,12 +51,10 @@ def to_rag(
     split = config.pasted_chunk_chars, config.max_document_chars
     chunks = _chunks(body.documents)
     if isinstance(body, CompletionRequest):
-        prompt = body.prompt if isinstance(body.prompt, str) else None
-        if prompt is None:
-            if len(body.prompt) != 1:
-                raise BadRequestError("prompt: give one string (batched prompts are not supported)")
-            prompt = body.prompt[0]
-        pasted, question = pasted_chunks(prompt, "prompt", *split)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise BadRequestError("prompt: give one string here (to_rags takes a list of them)")
+        pasted, question = pasted_chunks(prompts[0], "prompt", *split)
         return RagRequest(question, chunks + pasted, namespace=namespace)
     system = "\n".join(m.text() for m in body.messages if m.role in ("system", "developer"))
     turns = [(i, m) for i, m in enumerate(body.messages) if m.role in ("user", "assistant", "tool")]
@@ -81,6 +79,20 @@ def to_rag(
         namespace=namespace,
         system_chunks=in_system,
     )
+
+
+def to_rags(
+    body: ChatCompletionRequest | CompletionRequest,
+    namespace: str,
+    config: ServerConfig | None = None,
+) -> list[RagRequest]:
+    """One RagRequest per prompt (`to_rag`): a completion may send a list of prompts (OpenAI's
+    batched prompts, as LangChain's completion model sends them), each with the documents."""
+    if isinstance(body, ChatCompletionRequest) or isinstance(body.prompt, str):
+        return [to_rag(body, namespace, config)]
+    if not body.prompt:
+        raise BadRequestError("prompt: give at least one string")
+    return [to_rag(body.model_copy(update={"prompt": p}), namespace, config) for p in body.prompt]
 
 
 def _chunks(documents: list[Document]) -> list[Chunk]:
@@ -206,13 +218,19 @@ class Generation:
         }
 
 
-def total_usage(gens: list[Generation]) -> dict[str, Any]:
-    """One prompt, `n` completions: OpenAI counts the prompt once and every choice's tokens;
-    the reuse report is the first choice's."""
+def total_usage(gens: list[Generation], n: int = 1) -> dict[str, Any]:
+    """`len(gens) / n` prompts with `n` completions each (choice p * n + i is prompt p's i-th):
+    OpenAI counts each prompt once and every choice's tokens; the reuse report is the first
+    choice's, `cached_tokens` every prompt's."""
     out = gens[0].usage()
+    firsts = gens[::n]
+    num_prompt = sum(g.num_prompt_tokens for g in firsts)
     num_output = sum(g.num_output for g in gens)
+    out["prompt_tokens"] = num_prompt
     out["completion_tokens"] = num_output
-    out["total_tokens"] = out["prompt_tokens"] + num_output
+    out["total_tokens"] = num_prompt + num_output
+    cached = [g.usage()["prompt_tokens_details"]["cached_tokens"] for g in firsts]
+    out["prompt_tokens_details"]["cached_tokens"] = sum(cached)
     return out
 
 
@@ -224,10 +242,12 @@ def abort_all(gens: list[Generation]) -> None:
             g.state.metrics.aborted.inc()
 
 
-async def respond(request: Request, gens: list[Generation], stream: bool, include_usage: bool):
-    """The answer of one request with `len(gens)` choices (OpenAI's `n`)."""
+async def respond(
+    request: Request, gens: list[Generation], stream: bool, include_usage: bool, n: int = 1
+):
+    """The answer of one request with `len(gens)` choices (`n` per prompt)."""
     if stream:
-        return StreamingResponse(_sse(gens, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_sse(gens, include_usage, n), media_type="text/event-stream")
     tasks = [asyncio.ensure_future(_collect(g)) for g in gens]
     try:
         while not all(t.done() for t in tasks):
@@ -247,7 +267,7 @@ async def respond(request: Request, gens: list[Generation], stream: bool, includ
         g.choice(text, g.finish_reason, delta=False) for g, text in zip(gens, texts, strict=True)
     ]
     body = gens[0].envelope(choices, stream=False)
-    body["usage"] = total_usage(gens)
+    body["usage"] = total_usage(gens, n)
     return JSONResponse(body)
 
 
@@ -267,7 +287,7 @@ async def _pump(gen: Generation, out: asyncio.Queue[tuple[Generation, Any]]) -> 
         await out.put((gen, e))
 
 
-async def _sse(gens: list[Generation], include_usage: bool) -> AsyncIterator[str]:
+async def _sse(gens: list[Generation], include_usage: bool, n: int) -> AsyncIterator[str]:
     def event(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
@@ -293,7 +313,7 @@ async def _sse(gens: list[Generation], include_usage: bool) -> AsyncIterator[str
             yield event(head.envelope([done], stream=True))
         if include_usage:
             last = head.envelope([], stream=True)
-            last["usage"] = total_usage(gens)
+            last["usage"] = total_usage(gens, n)
             yield event(last)
         yield "data: [DONE]\n\n"
     except Exception as e:  # headers are gone: report in-band, as OpenAI does

@@ -40,9 +40,7 @@ def _breaks(text: str, min_chars: int) -> list[tuple[int, int]]:
     ends = [m.start() for m in newlines] + [len(text)]
     long = [len(text[a:b].strip()) >= min_chars for a, b in zip(starts, ends, strict=True)]
     return [
-        m.span()
-        for i, m in enumerate(newlines)
-        if "\n" in m.group()[1:] or long[i] or long[i + 1]
+        m.span() for i, m in enumerate(newlines) if "\n" in m.group()[1:] or long[i] or long[i + 1]
     ]
 
 
