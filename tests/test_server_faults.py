@@ -280,8 +280,8 @@ def test_chunk_stats_cover_only_the_callers_namespace(srv: Served) -> None:
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("logprobs", True),
-        ("top_logprobs", 3),
+        ("top_logprobs", 3),  # without logprobs: true
+        ("top_logprobs", 21),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
         ("logit_bias", {"42": 5}),
@@ -294,7 +294,9 @@ def test_unsupported_chat_fields_are_named(srv: Served, field: str, value: Any) 
     assert err["param"] == field and field in err["message"]
 
 
-@pytest.mark.parametrize("field, value", [("echo", True), ("best_of", 2), ("suffix", "end")])
+@pytest.mark.parametrize(
+    "field, value", [("echo", True), ("best_of", 2), ("suffix", "end"), ("logprobs", 21)]
+)
 def test_unsupported_completion_fields_are_named(srv: Served, field: str, value: Any) -> None:
     body = {"model": "cachecraft", "prompt": "p", "max_tokens": 2, field: value}
     err = openai_error(srv.post("/v1/completions", body), 400)

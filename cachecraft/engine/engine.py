@@ -30,7 +30,13 @@ from cachecraft.engine.handle import Failed, Finished, Planned, RequestHandle, T
 from cachecraft.engine.options import RequestExtras, RequestOptions, StepStat, force_tokens
 from cachecraft.engine.request import SeqState
 from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner, Spliced
-from cachecraft.engine.sampling import SamplingParams, make_generator, sample
+from cachecraft.engine.sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 from cachecraft.engine.scheduler import QueueFull, Scheduler
 from cachecraft.errors import BadRequestError
 from cachecraft.model.kv import KVCache
@@ -559,13 +565,15 @@ class Engine:
         live = self._live.get(rid)
         if live is None:
             return
+        k = live.sampling.logprobs
         try:
             token = sample(logits, live.sampling, live.generator)
+            logprobs = None if k is None else token_logprobs(logits, token, k)
         except Exception as e:
             log.warning("request %s failed while sampling: %r", rid, e)
             self._fail(rid, e)
             return
-        self._emit(live, token)
+        self._emit(live, token, logprobs)
 
     def _commit_guarded(self, outcome: PrefillOutcome) -> None:
         try:  # the next step need not wait for file writes: they finish on the store's writer
@@ -696,14 +704,14 @@ class Engine:
         for outcome in outcomes:  # off the time-to-first-token path
             self._commit_guarded(outcome)
 
-    def _emit(self, live: _Live, token: int) -> None:
+    def _emit(self, live: _Live, token: int, logprobs: TokenLogprobs | None = None) -> None:
         state = live.state
         assert state is not None
         if not state.output_ids and live.outcome is not None:
             live.outcome.report.ttft_ms = 1000 * (time.perf_counter() - live.t_submit)
         state.output_ids.append(token)
         is_stop = token in live.stops
-        live.handle.push(Token(token, is_stop))
+        live.handle.push(Token(token, is_stop, logprobs))
         reason = "stop" if is_stop else None
         if reason is None and state.num_output_tokens >= state.max_tokens:
             reason = "length"

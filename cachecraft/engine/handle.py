@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from cachecraft.engine.report import RequestReport
+from cachecraft.engine.sampling import TokenLogprobs
 
 
 class Planned(NamedTuple):
@@ -25,6 +26,8 @@ class Token(NamedTuple):
     token_id: int
     is_stop: bool
     """An EOS / stop token: counted as output, never shown as text."""
+    logprobs: TokenLogprobs | None = None
+    """When the request's sampling asked for them (`SamplingParams.logprobs`)."""
 
 
 class Finished(NamedTuple):

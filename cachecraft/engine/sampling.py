@@ -1,4 +1,5 @@
-"""SamplingParams and next-token sampling: greedy, temperature, top-p, per-request seed.
+"""SamplingParams and next-token sampling: greedy, temperature, top-p, per-request seed, and
+the log-probabilities a request may ask for (`token_logprobs`).
 
 Parameters are checked when they are made (BadRequestError names the field), and `sample`
 never fails on the logits it is given: non-finite or degenerate probabilities fall back to
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +25,8 @@ MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """torch.Generator.manual_seed accepts exactly this range."""
+MAX_LOGPROBS = 20
+"""Most alternatives per token (OpenAI's `top_logprobs` bound)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     """Stop strings (a str or any sequence is accepted): the answer ends just before the
     first one to appear."""
+    logprobs: int | None = None
+    """None: none; k >= 0: each sampled token's log-probability and the k most likely tokens'
+    (`token_logprobs`), at most MAX_LOGPROBS."""
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -65,6 +72,31 @@ class SamplingParams:
             raise BadRequestError("min_p must be in [0, 1]")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise BadRequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
+        k = self.logprobs
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS
+        ):
+            raise BadRequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}]")
+
+
+class TokenLogprobs(NamedTuple):
+    """A sampled token's log-probability and the `k` most likely tokens' (ids, most likely
+    first), under the model's own distribution (before temperature, top-k/p and min-p, as
+    vLLM reports them)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """logits [vocab] -> the log-softmax at `token` and its top `k` (non-finite logits give
+    -inf / nan log-probabilities, never an error)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, k) if k else None
+    pairs = (
+        () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    )
+    return TokenLogprobs(float(logp[token]), pairs)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

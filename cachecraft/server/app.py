@@ -394,7 +394,16 @@ def create_app(
                     )
                     index = p * n + i
                     gens.append(
-                        Generation(state, handle, chat, body.model, ns, sampling.stop, index)
+                        Generation(
+                            state,
+                            handle,
+                            chat,
+                            body.model,
+                            ns,
+                            sampling.stop,
+                            index,
+                            logprobs=sampling.logprobs is not None,
+                        )
                     )
             for gen in gens:
                 await gen.planned()

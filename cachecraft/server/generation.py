@@ -24,6 +24,7 @@ from cachecraft.engine.text import TextStream
 from cachecraft.errors import BadRequestError, CachecraftError
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.server.config import ServerConfig
+from cachecraft.server.logprobs import Entry, chat_logprobs, completion_logprobs
 from cachecraft.server.protocol import (
     SEED_MAX,
     ChatCompletionRequest,
@@ -111,6 +112,7 @@ def sampling_of(body: ChatCompletionRequest | CompletionRequest, defaults: Any) 
         seed=body.seed,
         ignore_eos=body.ignore_eos,
         stop=body.stop_strings(),
+        logprobs=body.logprobs_k(),
     )
 
 
@@ -135,9 +137,14 @@ class Generation:
         namespace: str,
         stops: tuple[str, ...] = (),
         index: int = 0,
+        logprobs: bool = False,
     ) -> None:
         self.state = app_state
         self.index = index
+        self.logprobs: list[Entry] | None = [] if logprobs else None
+        """(token, TokenLogprobs) of each shown token, when the request asked for them."""
+        self._sent_logprobs = 0  # entries already in a streamed chunk
+        self._sent_chars = 0  # text already in one (a completion's `text_offset`)
         self.namespace = namespace
         self.handle = handle
         self.chat = chat
@@ -159,8 +166,10 @@ class Generation:
         assert isinstance(event, Planned)
         self.num_prompt_tokens = event.num_prompt_tokens
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas until the request finishes; sets finish_reason and report."""
+    async def deltas(self) -> AsyncIterator[tuple[str, int]]:
+        """(text delta, log-probability entries so far) until the request finishes; sets
+        finish_reason and report. An entry goes with the first delta after its token (text
+        is held back inside a multi-byte character or a possible stop string)."""
         while True:
             event = await self.handle.next_event()
             if isinstance(event, Token):
@@ -168,18 +177,20 @@ class Generation:
                     continue  # sampled before the engine heard of the stop string
                 self.num_output += 1
                 if not event.is_stop:
+                    if self.logprobs is not None and event.logprobs is not None:
+                        self.logprobs.append((event.token_id, event.logprobs))
                     delta = self.text.add(event.token_id)
                     if self.text.stopped:
                         self.handle.stop()
                     if delta:
-                        yield delta
+                        yield delta, self._num_logprobs()
             elif isinstance(event, Finished):
                 self.finish_reason = "stop" if self.text.stopped else event.finish_reason
                 self.report = event.report
                 self._done()
                 rest = self.text.flush()
                 if rest:
-                    yield rest
+                    yield rest, self._num_logprobs()
                 return
             elif isinstance(event, Failed):
                 raise event.error
@@ -195,15 +206,39 @@ class Generation:
         report = self.report.to_dict() if self.report is not None else None
         return usage(self.num_prompt_tokens, self.num_output, report)
 
-    def choice(self, text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+    def _num_logprobs(self) -> int:
+        return 0 if self.logprobs is None else len(self.logprobs)
+
+    def _logprobs_upto(self, upto: int | None) -> dict[str, Any] | None:
+        """The entries not sent yet, up to `upto` (None: all), in the choice's shape."""
+        if self.logprobs is None:
+            return None
+        end = len(self.logprobs) if upto is None else upto
+        entries = self.logprobs[self._sent_logprobs : end]
+        self._sent_logprobs = end
+        tokenizer = self.text.tokenizer
+        if self.chat:
+            return chat_logprobs(tokenizer, entries)
+        out = completion_logprobs(tokenizer, entries, self._sent_chars)
+        self._sent_chars += sum(len(t) for t in out["tokens"])
+        return out
+
+    def choice(
+        self, text: str | None, finish: str | None, delta: bool, upto: int | None = None
+    ) -> dict[str, Any]:
+        """The choice object; its log-probabilities are the entries not yet sent, up to
+        `upto` (None: all of them)."""
         i = self.index
         if not self.chat:
-            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+            lp = self._logprobs_upto(upto)
+            return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
         if delta:
             content = {} if text is None else {"content": text}
-            return {"index": i, "delta": content, "logprobs": None, "finish_reason": finish}
+            lp = self._logprobs_upto(upto)
+            return {"index": i, "delta": content, "logprobs": lp, "finish_reason": finish}
         message = {"role": "assistant", "content": text}
-        return {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
+        lp = self._logprobs_upto(upto)
+        return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
 
     def envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
@@ -280,7 +315,7 @@ async def _collect(gen: Generation) -> str:
 async def _pump(gen: Generation, out: asyncio.Queue[tuple[Generation, Any]]) -> None:
     """Feed one choice's deltas into the shared queue, then None (its end) or its error."""
     try:
-        async for delta in gen.deltas():
+        async for delta in gen.deltas():  # (text, log-probability entries so far)
             await out.put((gen, delta))
         await out.put((gen, None))
     except Exception as e:  # noqa: BLE001 - handed to the stream, which reports it in-band
@@ -297,7 +332,7 @@ async def _sse(gens: list[Generation], include_usage: bool, n: int) -> AsyncIter
     try:
         if head.chat:
             for g in gens:
-                first = g.choice(None, None, delta=True)
+                first = g.choice(None, None, delta=True, upto=0)
                 first["delta"] = {"role": "assistant", "content": ""}
                 yield event(head.envelope([first], stream=True))
         running = len(gens)
@@ -306,7 +341,9 @@ async def _sse(gens: list[Generation], include_usage: bool, n: int) -> AsyncIter
             if isinstance(item, Exception):
                 raise item
             if item is not None:
-                yield event(head.envelope([g.choice(item, None, delta=True)], stream=True))
+                text, upto = item
+                chunk = g.choice(text, None, delta=True, upto=upto)
+                yield event(head.envelope([chunk], stream=True))
                 continue
             running -= 1
             done = g.choice("" if not g.chat else None, g.finish_reason, delta=True)

@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic) plus our extensions.
 
 Unknown fields are accepted and ignored (extra="allow"), except the OpenAI fields this server
-cannot honour (`unsupported_fields`: logprobs, tools, response_format, ...), which are refused
+cannot honour (`unsupported_fields`: tools, response_format, echo, ...), which are refused
 by name as vLLM does, and input it cannot read (non-text content parts, token-id prompts),
 refused with what to send instead. `model` may be left out (the served model), as in vLLM.
 Every string must be encodable UTF-8 (no lone surrogates such as "\\ud800"). Extensions:
@@ -21,6 +21,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    ValidationInfo,
     field_validator,
 )
 from pydantic import StrictStr as _StrictStr
@@ -101,6 +102,7 @@ class StreamOptions(_Lenient):
 StopStr = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_CHOICES = 8  # `n`: each choice is one engine request (its own prefill)
+MAX_LOGPROBS = 20  # `top_logprobs` (chat) and `logprobs` (completions): alternatives per token
 MIN_TEMPERATURE = 1e-3  # below it softmax(logits / t) overflows to inf / nan
 
 
@@ -151,10 +153,27 @@ class _Generation(_Lenient):
 
 class ChatCompletionRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("set logprobs to true to ask for top_logprobs")
+        return v
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token to report (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Generation):
     prompt: StrictStr | list[StrictStr]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -177,8 +196,6 @@ class ChunksRequest(BaseModel):
 
 # OpenAI fields this server cannot honour, with the values that mean "not asked for".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
