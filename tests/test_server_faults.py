@@ -284,12 +284,14 @@ def test_chunk_stats_cover_only_the_callers_namespace(srv: Served) -> None:
         ("top_logprobs", 21),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
-        ("logit_bias", {"42": 5}),
-        ("presence_penalty", 0.5),
-        ("repetition_penalty", 1.2),
+        ("logit_bias", {"x": 5}),
+        ("logit_bias", {"42": 101}),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
     ],
 )
-def test_unsupported_chat_fields_are_named(srv: Served, field: str, value: Any) -> None:
+def test_unsupported_or_invalid_chat_fields_are_named(srv: Served, field: str, value: Any) -> None:
     err = openai_error(srv.post(CHAT, chat(**{field: value})), 400)
     assert err["param"] == field and field in err["message"]
 

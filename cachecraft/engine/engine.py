@@ -567,7 +567,9 @@ class Engine:
             return
         k = live.sampling.logprobs
         try:
-            token = sample(logits, live.sampling, live.generator)
+            assert live.state is not None and live.layout is not None
+            prompt = live.layout.token_ids if live.sampling.repetition_penalty != 1 else ()
+            token = sample(logits, live.sampling, live.generator, live.state.output_ids, prompt)
             logprobs = None if k is None else token_logprobs(logits, token, k)
         except Exception as e:
             log.warning("request %s failed while sampling: %r", rid, e)

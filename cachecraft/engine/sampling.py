@@ -1,5 +1,5 @@
-"""SamplingParams and next-token sampling: greedy, temperature, top-p, per-request seed, and
-the log-probabilities a request may ask for (`token_logprobs`).
+"""SamplingParams and next-token sampling: penalties, greedy, temperature, top-k/p, min-p,
+per-request seed, and the log-probabilities a request may ask for (`token_logprobs`).
 
 Parameters are checked when they are made (BadRequestError names the field), and `sample`
 never fails on the logits it is given: non-finite or degenerate probabilities fall back to
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -27,6 +28,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 """torch.Generator.manual_seed accepts exactly this range."""
 MAX_LOGPROBS = 20
 """Most alternatives per token (OpenAI's `top_logprobs` bound)."""
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,24 @@ class SamplingParams:
     logprobs: int | None = None
     """None: none; k >= 0: each sampled token's log-probability and the k most likely tokens'
     (`token_logprobs`), at most MAX_LOGPROBS."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token the answer already holds."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted once per time the answer already holds the token."""
+    repetition_penalty: float = 1.0
+    """vLLM's: the logits of tokens in the prompt or the answer are divided by it (multiplied
+    when negative); 1 is off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI's: (token id, bias in [-100, 100]) added to those tokens' logits."""
+
+    @property
+    def penalized(self) -> bool:
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+        )
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -72,6 +92,17 @@ class SamplingParams:
             raise BadRequestError("min_p must be in [0, 1]")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise BadRequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or not -2 <= v <= 2:
+                raise BadRequestError(f"{name} must be in [-2, 2]")
+        r = self.repetition_penalty
+        if not math.isfinite(r) or not 0 < r <= MAX_REPETITION_PENALTY:
+            raise BadRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}]")
+        bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
+        if any(t < 0 or not -100 <= b <= 100 for t, b in bias):
+            raise BadRequestError("logit_bias: give token ids >= 0 and biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
         k = self.logprobs
         if k is not None and (
             isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS
@@ -113,9 +144,43 @@ def _greedy(logits: torch.Tensor) -> int:
     return int(torch.argmax(torch.nan_to_num(logits, nan=info.min, posinf=info.max)))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """logits [vocab] -> one token id. Never raises on inf/nan: greedy (nan ranked last)."""
+def penalize(
+    logits: torch.Tensor, params: SamplingParams, output_ids: list[int], prompt_ids: Sequence[int]
+) -> torch.Tensor:
+    """logits [vocab] (float32) with the request's penalties applied, as vLLM applies them:
+    repetition over the prompt's and the answer's tokens, presence and frequency over the
+    answer's, then the logit bias (ids past the vocabulary are ignored). A new tensor;
+    `logits` itself is left as it was."""
+    vocab = logits.shape[-1]
+    out = logits.clone()
+    if params.repetition_penalty != 1:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        ids = torch.tensor([*prompt_ids, *output_ids], dtype=torch.long)
+        seen[ids[(ids >= 0) & (ids < vocab)]] = True
+        r = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids = torch.tensor(output_ids, dtype=torch.long)
+        counts = torch.bincount(ids[(ids >= 0) & (ids < vocab)], minlength=vocab).float()
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    for token, bias in params.logit_bias:
+        if token < vocab:
+            out[token] += bias
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    gen: torch.Generator | None,
+    output_ids: list[int] | None = None,
+    prompt_ids: Sequence[int] = (),
+) -> int:
+    """logits [vocab] -> one token id, after the penalties (`penalize`) when the params set
+    any. Never raises on inf/nan: greedy (nan ranked last)."""
     logits = logits.float()
+    if params.penalized:
+        logits = penalize(logits, params, output_ids or [], prompt_ids)
     if params.temperature == 0:
         return _greedy(logits)
     if 0 < params.top_k < logits.shape[-1]:

@@ -5,8 +5,8 @@ cannot honour (`unsupported_fields`: tools, response_format, echo, ...), which a
 by name as vLLM does, and input it cannot read (non-text content parts, token-id prompts),
 refused with what to send instead. `model` may be left out (the served model), as in vLLM.
 Every string must be encodable UTF-8 (no lone surrogates such as "\\ud800"). Extensions:
-`documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k` and
-`min_p`.
+`documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k`, `min_p`
+and `repetition_penalty`.
 """
 
 from __future__ import annotations
@@ -114,6 +114,22 @@ class _Generation(_Lenient):
     top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
     top_k: StrictInt | None = Field(default=None, ge=-1, le=2**31)  # vLLM's; 0 or -1: off
     min_p: StrictFloat | None = Field(default=None, ge=0, le=1)  # vLLM's
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0, le=10)  # vLLM's
+    logit_bias: dict[StrictStr, StrictFloat] | None = Field(default=None, max_length=300)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        """OpenAI's: token ids (as strings) to a bias in [-100, 100]."""
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or int(key) >= 2**31:
+                raise ValueError(f"{key!r} is not a token id")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100]")
+        return v
+
     seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     n: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
@@ -205,13 +221,9 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False),  # only means something with `tools`
     "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "repetition_penalty": (None, 1, 1.0),  # vLLM's
     "min_tokens": (None, 0),  # vLLM's
 }
 
