@@ -1,4 +1,5 @@
-"""Penalties and logit bias (engine/sampling.py `penalize`), alone and through the server."""
+"""Penalties, logit bias, stop token ids and min_tokens (engine/sampling.py `penalize`), alone
+and through the server."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import torch
 from conftest import make_tiny_dir
 from test_server_faults import CHAT, CTX, chat, openai_error, serving
 
+from cachecraft.api import chat_request
 from cachecraft.engine.sampling import SamplingParams, penalize, sample
 from cachecraft.errors import BadRequestError
+from cachecraft.llm import LLM
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server.config import ServerConfig
 
@@ -32,7 +35,16 @@ def test_logit_bias_steers_greedy_and_ignores_ids_past_the_vocabulary() -> None:
     assert sample(logits, SamplingParams(logit_bias={2: 5.0, 99: 100.0}), None) == 2
     assert sample(logits, SamplingParams(presence_penalty=2.0), None, [0]) == 0  # 3 - 2 > 0
     assert sample(logits, SamplingParams(frequency_penalty=2.0), None, [0, 0]) in (1, 2)
-    for bad in ({"presence_penalty": 3.0}, {"repetition_penalty": 0.0}, {"logit_bias": {1: 101}}):
+    # no stop token before min_tokens
+    assert sample(logits, SamplingParams(min_tokens=2), None, [7], stops={0}) == 1
+    assert sample(logits, SamplingParams(min_tokens=2), None, [7, 7], stops={0}) == 0
+    for bad in (
+        {"presence_penalty": 3.0},
+        {"repetition_penalty": 0.0},
+        {"logit_bias": {1: 101}},
+        {"min_tokens": -1},
+        {"stop_token_ids": (-3,)},
+    ):
         with pytest.raises(BadRequestError):
             SamplingParams(**bad)
 
@@ -57,6 +69,30 @@ def test_the_server_applies_them(small: LoadedModel) -> None:
         out = httpx.post(s.url + CHAT, json=varied, timeout=60).json()
         got = [e["token"] for e in out["choices"][0]["logprobs"]["content"]]
         assert len(set(got)) == 6  # a penalty of 2 + 2 per repeat: every token a new one
-        too_big = {**base, "logit_bias": {str(small.arch.vocab_size): 1}}
-        err = openai_error(httpx.post(s.url + CHAT, json=too_big, timeout=60), 400)
-        assert err["param"] == "logit_bias" and "vocabulary" in err["message"]
+        for field in ("logit_bias", "stop_token_ids"):
+            vocab = small.arch.vocab_size
+            value = {str(vocab): 1} if field == "logit_bias" else [vocab]
+            err = openai_error(
+                httpx.post(s.url + CHAT, json={**base, field: value}, timeout=60), 400
+            )
+            assert err["param"] == field and "vocabulary" in err["message"]
+
+
+def test_stop_token_ids_end_the_answer_and_min_tokens_holds_them_off(small: LoadedModel) -> None:
+    with serving(small, ServerConfig()) as s:
+        base = chat(max_tokens=6, temperature=0, ignore_eos=True)
+        messages = base["messages"]
+        alone = LLM(small).generate(chat_request(messages), SamplingParams(max_tokens=1))[0]
+        first = alone.token_ids[0]  # the greedy first token
+        stopped = httpx.post(s.url + CHAT, json={**base, "stop_token_ids": [first]}, timeout=60)
+        body = stopped.json()
+        assert body["choices"][0]["finish_reason"] == "stop"
+        assert (
+            body["usage"]["completion_tokens"] == 1
+            and body["choices"][0]["message"]["content"] == ""
+        )
+        held = {**base, "stop_token_ids": [first], "min_tokens": 3, "logprobs": True}
+        body = httpx.post(s.url + CHAT, json=held, timeout=60).json()
+        tokens = [e["token"] for e in body["choices"][0]["logprobs"]["content"]]
+        assert body["usage"]["completion_tokens"] >= 3
+        assert small.tokenizer.decode([first]) not in tokens[:3]

@@ -569,7 +569,8 @@ class Engine:
         try:
             assert live.state is not None and live.layout is not None
             prompt = live.layout.token_ids if live.sampling.repetition_penalty != 1 else ()
-            token = sample(logits, live.sampling, live.generator, live.state.output_ids, prompt)
+            out = live.state.output_ids
+            token = sample(logits, live.sampling, live.generator, out, prompt, live.stops)
             logprobs = None if k is None else token_logprobs(logits, token, k)
         except Exception as e:
             log.warning("request %s failed while sampling: %r", rid, e)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -60,6 +60,8 @@ class SamplingParams:
     when negative); 1 is off."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """OpenAI's: (token id, bias in [-100, 100]) added to those tokens' logits."""
+    min_tokens: int = 0
+    """vLLM's: no stop token (EOS, `stop_token_ids`) is sampled before this many tokens."""
 
     @property
     def penalized(self) -> bool:
@@ -68,6 +70,7 @@ class SamplingParams:
             or self.frequency_penalty
             or self.repetition_penalty != 1
             or self.logit_bias
+            or self.min_tokens
         )
 
     def __post_init__(self) -> None:
@@ -99,6 +102,13 @@ class SamplingParams:
         r = self.repetition_penalty
         if not math.isfinite(r) or not 0 < r <= MAX_REPETITION_PENALTY:
             raise BadRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}]")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise BadRequestError("min_tokens must be an integer >= 0")
+        ids = self.stop_token_ids
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise BadRequestError("stop_token_ids: give token ids >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
         if any(t < 0 or not -100 <= b <= 100 for t, b in bias):
             raise BadRequestError("logit_bias: give token ids >= 0 and biases in [-100, 100]")
@@ -145,12 +155,17 @@ def _greedy(logits: torch.Tensor) -> int:
 
 
 def penalize(
-    logits: torch.Tensor, params: SamplingParams, output_ids: list[int], prompt_ids: Sequence[int]
+    logits: torch.Tensor,
+    params: SamplingParams,
+    output_ids: list[int],
+    prompt_ids: Sequence[int],
+    stops: Collection[int] = (),
 ) -> torch.Tensor:
     """logits [vocab] (float32) with the request's penalties applied, as vLLM applies them:
     repetition over the prompt's and the answer's tokens, presence and frequency over the
-    answer's, then the logit bias (ids past the vocabulary are ignored). A new tensor;
-    `logits` itself is left as it was."""
+    answer's, then the logit bias (ids past the vocabulary are ignored), and `stops` (the
+    request's stop token ids) ruled out while the answer is shorter than `min_tokens`. A new
+    tensor; `logits` itself is left as it was."""
     vocab = logits.shape[-1]
     out = logits.clone()
     if params.repetition_penalty != 1:
@@ -166,6 +181,9 @@ def penalize(
     for token, bias in params.logit_bias:
         if token < vocab:
             out[token] += bias
+    if len(output_ids) < params.min_tokens:
+        banned = [t for t in stops if 0 <= t < vocab]
+        out[banned] = float("-inf")
     return out
 
 
@@ -175,12 +193,13 @@ def sample(
     gen: torch.Generator | None,
     output_ids: list[int] | None = None,
     prompt_ids: Sequence[int] = (),
+    stops: Collection[int] = (),
 ) -> int:
     """logits [vocab] -> one token id, after the penalties (`penalize`) when the params set
     any. Never raises on inf/nan: greedy (nan ranked last)."""
     logits = logits.float()
     if params.penalized:
-        logits = penalize(logits, params, output_ids or [], prompt_ids)
+        logits = penalize(logits, params, output_ids or [], prompt_ids, stops)
     if params.temperature == 0:
         return _greedy(logits)
     if 0 < params.top_k < logits.shape[-1]:

@@ -382,14 +382,18 @@ def create_app(
             await asyncio.to_thread(chunks.follow_registry, store, state.registry)
         sampling = sampling_of(body, config)
         vocab = loaded.arch.vocab_size
-        outside = [t for t, _ in sampling.logit_bias if t >= vocab]
-        if outside:
-            raise ApiError(
-                400,
-                f"logit_bias: token {outside[0]} is not in the vocabulary (ids 0-{vocab - 1})",
-                "invalid_request_error",
-                param="logit_bias",
-            )
+        for name, ids in (
+            ("logit_bias", [t for t, _ in sampling.logit_bias]),
+            ("stop_token_ids", sampling.stop_token_ids),
+        ):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ApiError(
+                    400,
+                    f"{name}: token {outside[0]} is not in the vocabulary (ids 0-{vocab - 1})",
+                    "invalid_request_error",
+                    param=name,
+                )
         layouts = [await tokenized(rag) for rag in rags]
         loop = asyncio.get_running_loop()
         chat = isinstance(body, ChatCompletionRequest)

@@ -117,6 +117,8 @@ def sampling_of(body: ChatCompletionRequest | CompletionRequest, defaults: Any) 
         frequency_penalty=float(body.frequency_penalty or 0),
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=tuple((int(t), float(b)) for t, b in (body.logit_bias or {}).items()),
+        min_tokens=body.min_tokens or 0,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
     )
 
 

@@ -5,8 +5,8 @@ cannot honour (`unsupported_fields`: tools, response_format, echo, ...), which a
 by name as vLLM does, and input it cannot read (non-text content parts, token-id prompts),
 refused with what to send instead. `model` may be left out (the served model), as in vLLM.
 Every string must be encodable UTF-8 (no lone surrogates such as "\\ud800"). Extensions:
-`documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k`, `min_p`
-and `repetition_penalty`.
+`documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens` and `stop_token_ids`.
 """
 
 from __future__ import annotations
@@ -118,6 +118,10 @@ class _Generation(_Lenient):
     frequency_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: StrictFloat | None = Field(default=None, gt=0, le=10)  # vLLM's
     logit_bias: dict[StrictStr, StrictFloat] | None = Field(default=None, max_length=300)
+    min_tokens: StrictInt | None = Field(default=None, ge=0, le=2**31)  # vLLM's
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(
+        default=None, max_length=64
+    )  # vLLM's
 
     @field_validator("logit_bias")
     @classmethod
@@ -224,7 +228,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "min_tokens": (None, 0),  # vLLM's
 }
 
 
