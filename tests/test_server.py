@@ -384,3 +384,30 @@ def test_a_conversation_reuses_its_earlier_turns_exactly(small: LoadedModel) -> 
         assert not rest["is_hit"] and rest["is_exact"]
         assert third.usage.prompt_tokens_details.cached_tokens >= first["num_tokens"]
         assert third.choices[0].message.content == turn(full, 6).choices[0].message.content
+
+
+def test_tokenize_counts_what_usage_counts_and_detokenize_inverts_it(url: str) -> None:
+    """vLLM's /tokenize and /detokenize: the prompt a request would prefill (template and
+    documents included), so its count is the request's `usage.prompt_tokens`."""
+    q, docs = question(1)
+    messages = [{"role": "user", "content": q}]
+    body = {"messages": messages, "documents": docs}
+    tok = httpx.post(url + "/tokenize", json=body, timeout=60).json()
+    out = httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=60)
+    assert tok["count"] == len(tok["tokens"]) == out.json()["usage"]["prompt_tokens"]
+    assert tok["max_model_len"] == CTX and tok["token_strs"] is None
+    text = httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}, timeout=60).json()
+    assert q in text["prompt"] and DOCS[1] in text["prompt"]
+    one = httpx.post(url + "/tokenize", json={"prompt": q, "return_token_strs": True}, timeout=60)
+    comp = httpx.post(url + "/v1/completions", json={"prompt": q, "max_tokens": 2}, timeout=60)
+    assert one.json()["count"] == comp.json()["usage"]["prompt_tokens"]
+    assert (
+        "".join(one.json()["token_strs"])
+        == httpx.post(
+            url + "/detokenize", json={"tokens": one.json()["tokens"]}, timeout=60
+        ).json()["prompt"]
+    )
+    for bad in ({}, {"prompt": q, "messages": messages}):
+        assert httpx.post(url + "/tokenize", json=bad, timeout=60).status_code == 400
+    r = httpx.post(url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"

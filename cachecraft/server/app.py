@@ -43,7 +43,9 @@ from cachecraft.server.protocol import (
     ChatCompletionRequest,
     ChunksRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Document,
+    TokenizeRequest,
     check_utf8,
     error_body,
     unsupported_fields,
@@ -463,6 +465,37 @@ def create_app(
                 "model_not_found",
             )
         return model_card()
+
+    # ---- tokens (vLLM's) ----------------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, ns: str = Depends(namespace)) -> dict[str, Any]:
+        """The prompt a chat or completion request would prefill (template, chunks, question),
+        as token ids; its length is what `usage.prompt_tokens` will say."""
+        check_documents(body.documents)
+        if body.messages is not None:
+            as_request: ChatCompletionRequest | CompletionRequest = ChatCompletionRequest(
+                messages=body.messages, documents=body.documents
+            )
+        else:
+            as_request = CompletionRequest(prompt=body.prompt, documents=body.documents)
+        check_fields(as_request)
+        layout = await tokenized(to_rags(as_request, ns, config)[0])
+        ids = list(layout.token_ids)
+        strs = [loaded.tokenizer.decode([t]) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_ctx, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, _: str = Depends(namespace)) -> dict[str, Any]:
+        vocab = loaded.arch.vocab_size
+        outside = [t for t in body.tokens if t >= vocab]
+        if outside:
+            raise ApiError(
+                400,
+                f"tokens: {outside[0]} is not in the vocabulary (ids 0-{vocab - 1})",
+                "invalid_request_error",
+                param="tokens",
+            )
+        return {"prompt": loaded.tokenizer.decode(body.tokens)}
 
     # ---- chunks -----------------------------------------------------------------------------
     @app.post("/v1/chunks")

@@ -23,6 +23,7 @@ from pydantic import (
     StrictInt,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic import StrictStr as _StrictStr
 
@@ -202,6 +203,30 @@ class CompletionRequest(_Generation):
         if isinstance(v, list) and v and all(isinstance(x, int | list) for x in v):
             raise ValueError("token-id prompts are not supported: send the prompt as text")
         return v
+
+
+class TokenizeRequest(_Lenient):
+    """vLLM's POST /tokenize: the token ids this server would prefill for a chat's `messages`
+    or a completion's `prompt` (with the documents), chat template and chunks included."""
+
+    model: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
+    prompt: StrictStr | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    documents: list[Document] = Field(default_factory=list)
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Lenient):
+    """vLLM's POST /detokenize: token ids back to text."""
+
+    model: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
+    tokens: list[Annotated[StrictInt, Field(ge=0)]] = Field(max_length=1 << 20)
 
 
 class ChunksRequest(BaseModel):
