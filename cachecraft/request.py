@@ -21,10 +21,15 @@ def _check_unicode(what: str, text: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One retrieved passage. `id` is a label for reports, never the cache key."""
+    """One retrieved passage. `id` is a label for reports, never the cache key.
+
+    `as_question`: laid out as a question is (`Question: ` and the text, its leading token
+    blocks chunk slots of their own, `reuse/layout.py`): a long user turn in a chat's history
+    then gives the very blocks it lent when it was the question."""
 
     text: str
     id: str | None = None
+    as_question: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cachecraft.api import chat_request
 from cachecraft.config import MODES
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError, ContextLengthError
@@ -506,3 +507,25 @@ def test_context_in_the_system_message_is_reused(llm: LLM, mode: str) -> None:
     assert [c.is_hit for c in out.report.chunks] == [True, True, True, True]
     want = _run(llm, moved, "full")
     assert (out.first_token_logits - want.first_token_logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["prefix", "cachecraft"])
+def test_a_long_turn_reuses_its_question_blocks_in_the_next_turn(llm: LLM, mode: str) -> None:
+    """A long one-paragraph user message lends blocks as the question; in the chat's next
+    request it is history, laid out as it was, so those blocks are hits with nothing
+    recomputed and the answer is the full prefill's."""
+    turn = [{"role": "user", "content": LONG_QUESTION}]
+    first = chat_request(turn)
+    asked = [c.key for c in _run(llm, first, mode).report.chunks]
+    chat = [
+        *turn,
+        {"role": "assistant", "content": "The pyramids."},
+        {"role": "user", "content": "Why?"},
+    ]
+    later = chat_request(chat)
+    assert [c.as_question for c in later.chunks] == [True, False]
+    again = _run(llm, later, mode)
+    blocks = [c for c in again.report.chunks if c.key in asked]
+    assert len(blocks) >= 2 and all(c.is_hit and c.tokens_recomputed == 0 for c in blocks)
+    full = _run(llm, later, "full")
+    assert (again.first_token_logits - full.first_token_logits).abs().max() < 1e-4

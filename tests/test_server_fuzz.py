@@ -140,6 +140,8 @@ ROUTES = [
     ("/v1/chat/completions", "ChatCompletionRequest"),
     ("/v1/completions", "CompletionRequest"),
     ("/v1/chunks", "ChunksRequest"),
+    ("/tokenize", "TokenizeRequest"),
+    ("/detokenize", "DetokenizeRequest"),
 ]
 
 

@@ -97,14 +97,24 @@ def build_layout(
         add(_encode(tokenizer, chunk.text + CHUNK_SEPARATOR), chunk.id)
     if parts.middle:
         add(_encode(tokenizer, parts.middle), SYSTEM_END)
+
+    def lend(ids: tuple[int, ...], label: str) -> int:
+        """Slots for the leading blocks of a question's `ids`; how many tokens they took."""
+        cut = 0
+        while len(ids) - cut >= QUESTION_BLOCK + QUESTION_KEEP:
+            add(ids[cut : cut + QUESTION_BLOCK], f"{label}[{cut}:{cut + QUESTION_BLOCK}]")
+            cut += QUESTION_BLOCK
+        return cut
+
     for chunk in request.chunks:
-        add(_encode(tokenizer, chunk.text + CHUNK_SEPARATOR), chunk.id)
+        if chunk.as_question:  # the blocks it lent as the question, then the rest
+            ids = _encode(tokenizer, question_text(chunk.text) + CHUNK_SEPARATOR)
+            cut = lend(ids, chunk.id or "chunk")
+            add(ids[cut:], f"{chunk.id or 'chunk'}[{cut}:]")
+        else:
+            add(_encode(tokenizer, chunk.text + CHUNK_SEPARATOR), chunk.id)
     question_ids = _encode(tokenizer, question_text(request.question) + parts.tail)
-    cut = 0  # question tokens lent to blocks so far
-    while len(question_ids) - cut >= QUESTION_BLOCK + QUESTION_KEEP:
-        add(question_ids[cut : cut + QUESTION_BLOCK], f"question[{cut}:{cut + QUESTION_BLOCK}]")
-        cut += QUESTION_BLOCK
-    question_ids = question_ids[cut:]
+    question_ids = question_ids[lend(question_ids, "question") :]
     layout = PromptLayout(
         prefix_key=prefix_key(fingerprint, request.namespace, prefix_ids),
         prefix_ids=prefix_ids,

@@ -21,6 +21,11 @@ HISTORY_CHUNK_CHARS = 512
 chunk-cache of its own, and a long chat stays a few dozen chunks. Where a chunk ends depends
 only on the turns before, so the next request of a conversation closes the same chunks."""
 
+LONG_TURN_CHARS = 512
+"""A user turn whose text (after its pasted context) is this long (~110 tokens, more than the
+80 a question needs to lend blocks) is laid out in the history as it was as the question
+(`Chunk.as_question`): the blocks it lent then are reused, not computed a second time."""
+
 PASTED_CHUNK_CHARS = 256
 """A paragraph of pasted text this long (~60 tokens) closes a chunk; shorter ones (a heading, a
 source label) join the next long one, those before the first long one (an instruction) are a
@@ -55,7 +60,9 @@ def history_chunks(
     when that turn was the question, ahead of "user: " and the rest of the turn; they close
     the turns gathered before them, as the end of the history closed them then. A tool
     result (retrieved passages, most often) is cut the same way, so a passage a tool returned
-    is the same chunk in any conversation.
+    is the same chunk in any conversation. A user turn left long after that
+    (`LONG_TURN_CHARS`: a long message with no paragraphs to cut) is laid out as it was as
+    the question (`Chunk.as_question`), so the token blocks it lent then are reused.
 
     They are chunk-caches like documents: the conversation's next request sends them again,
     unchanged, in the same order, after the same system prompt, so its closed chunks are
@@ -75,9 +82,13 @@ def history_chunks(
     for i, role, text in turns:
         if role in ("user", "tool"):
             pasted, text = pasted_chunks(text, f"messages[{i}]", pasted_chars, max_chars)
-            if pasted and texts:
+            long = role == "user" and len(text.strip()) >= LONG_TURN_CHARS
+            if (pasted or long) and texts:
                 close()
             out.extend(pasted)
+            if long:  # laid out as it was when it was the question: its blocks are reused
+                out.append(Chunk(text, f"messages[{i}]", as_question=True))
+                continue
         if not texts:
             first = i
         texts.append(f"{role}: {text}")
