@@ -6,6 +6,7 @@ pasted passages across requests and chat turns."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -59,16 +60,18 @@ def test_short_paragraphs_join_the_next_long_one() -> None:
     text = "\n\n".join(["Sources:", "[1] Curie", PASSAGES[1], "[2] Reef", PASSAGES[2], "Q?"])
     chunks, rest = pasted_chunks(text, "prompt")
     assert [c.text for c in chunks] == [
-        "Sources:\n\n[1] Curie",  # before the first long paragraph: the preamble
-        PASSAGES[1],
-        "[2] Reef\n\n" + PASSAGES[2],  # a label goes with the passage after it
+        "Sources:",  # before the first passage and its label: the preamble
+        "[1] Curie\n\n" + PASSAGES[1],  # a label goes with the passage after it, as the
+        "[2] Reef\n\n" + PASSAGES[2],  # later passages show: one short line heads each
     ]
     assert [c.id for c in chunks] == [
-        "prompt.paragraphs[0:2]",
-        "prompt.paragraphs[2]",
+        "prompt.paragraphs[0]",
+        "prompt.paragraphs[1:3]",
         "prompt.paragraphs[3:5]",
     ]
     assert rest == "Q?"
+    alone, _ = pasted_chunks("\n\n".join(["Sources:", "[1] Curie", PASSAGES[1], "Q?"]), "m")
+    assert [c.text for c in alone] == ["Sources:\n\n[1] Curie", PASSAGES[1]]  # no evidence
 
 
 def test_a_passage_is_the_same_chunk_wherever_it_is_pasted() -> None:
@@ -98,6 +101,31 @@ def test_a_long_line_is_a_paragraph_and_wrapped_lines_are_not() -> None:
     wrapped = "\n".join(PASSAGES[0][i : i + 70] for i in range(0, len(PASSAGES[0]), 70))
     chunks, rest = pasted_chunks(f"{wrapped}\n\nQ?", "m")
     assert [c.text for c in chunks] == [wrapped] and rest == "Q?"  # one paragraph of short lines
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        lambda i: "",  # no heading
+        lambda i: f"Source {i}\n",  # a title line right above
+        lambda i: f"file_path: doc{i}.txt\n\n",  # LlamaIndex's metadata, a blank line between
+    ],
+)
+def test_the_first_passage_is_headed_as_the_later_ones(head: Callable[[int], str]) -> None:
+    """LlamaIndex's question-answering template writes its heading straight above the first
+    passage: whatever heads each passage (as the later ones show) is that passage's chunk at
+    every rank, and the heading alone is the preamble."""
+    rule = "---------------------"
+
+    def prompt(order: list[int]) -> str:
+        body = "\n\n".join(head(i) + PASSAGES[i] for i in order)
+        return f"Context information is below.\n{rule}\n{body}\n{rule}\nQuery: Q?\nAnswer: "
+
+    a, _ = pasted_chunks(prompt([0, 1, 2]), "m")
+    b, _ = pasted_chunks(prompt([2, 0, 1]), "m")
+    assert a[0].text == b[0].text == f"Context information is below.\n{rule}"
+    assert sorted(c.text for c in a[1:]) == sorted(c.text for c in b[1:])
+    assert [c.text for c in a[1:]] == [head(i) + PASSAGES[i] for i in (0, 1, 2)]
 
 
 def test_a_paragraph_keeps_its_indentation_and_leading_blank_lines_are_dropped() -> None:

@@ -101,6 +101,38 @@ def history_chunks(
     return out
 
 
+def _num_lines(text: str, a: int, b: int) -> int:
+    """Non-blank lines in text[a:b]."""
+    return sum(1 for line in text[a:b].split("\n") if line.strip())
+
+
+def _last_lines(text: str, a: int, b: int, n: int) -> int:
+    """Where the last `n` non-blank lines of text[a:b] begin (b when n is 0, a when there are
+    fewer)."""
+    pos = b
+    for _ in range(n):
+        end = a + len(text[a:pos].rstrip())  # the end of the last non-blank line before pos
+        if end <= a:
+            return a
+        pos = max(a, text.rfind("\n", a, end) + 1)
+    return pos
+
+
+def _label_size(
+    text: str, starts: list[int], ends: list[int], longs: list[int], blank: list[bool]
+) -> int:
+    """How many short lines head a passage in this text: the most common count of non-blank
+    lines between one long paragraph and the next (a title, a metadata line, a source label;
+    ties: the smaller, so no heading is glued to a passage on mixed evidence). With one long
+    paragraph only, the lines of its own block (since the last blank line) above it."""
+    counts = [_num_lines(text, ends[p], starts[q]) for p, q in zip(longs, longs[1:], strict=False)]
+    if counts:
+        return max(set(counts), key=lambda c: (counts.count(c), -c))
+    k = longs[0]
+    top = max((j for j in range(k) if blank[j]), default=-1) + 1  # first paragraph of its block
+    return _num_lines(text, starts[top], starts[k])
+
+
 def pasted_chunks(
     text: str,
     where: str,
@@ -111,10 +143,12 @@ def pasted_chunks(
 ) -> tuple[list[Chunk], str]:
     """(chunks, rest): the paragraphs of `text` (`_breaks`) before its last one as chunks, the
     rest as the question. A paragraph of at least `min_chars` closes a chunk together with the
-    shorter ones just before it (a source label, a heading), except that the short ones before
-    the first long one are a chunk of their own: that preamble is a client's instruction, the
-    same in every request, and glued to the first passage it would make that passage a new
-    chunk wherever it is pasted first. Short paragraphs after the last long one, and the last
+    shorter ones just before it (a title, a source label), and the short text before the first
+    long one is a chunk of its own (a preamble: the client's instruction, the same in every
+    request; glued to the first passage it would make that passage a new chunk wherever it is
+    pasted first) except for its last lines when the later passages are headed by as many
+    short lines (`_label_size`): those head the first passage too, so each passage is the
+    same chunk at every rank. Short paragraphs after the last long one, and the last
     paragraph, stay in the question. A chunk over `max_chars` (the server's
     `max_document_chars`) and everything after it stay in the question too.
 
@@ -131,31 +165,43 @@ def pasted_chunks(
     breaks = _breaks(text, min_chars)
     ends = [a for a, _ in breaks] + [len(text)]
     starts = [0] + [b for _, b in breaks]
+    blank = ["\n" in text[a + 1 : b] for a, b in breaks] + [False]  # a blank line follows k
     sizes = [len(text[a:b].strip()) for a, b in zip(starts, ends, strict=True)]
     last = max((k for k, n in enumerate(sizes) if n), default=0)
+    stop = last if keep_question else last + 1
+    longs = [k for k in range(stop) if sizes[k] >= min_chars]
     chunks: list[Chunk] = []
     first = 0  # the first paragraph not yet in a chunk
 
-    def close(k: int) -> bool:
-        body = text[starts[first] : ends[k]]
+    def close(a: int, k: int, b: int | None = None) -> bool:
+        """A chunk from position a (in paragraph `first`) to the end of paragraph k (or to b)."""
+        body = text[a : ends[k] if b is None else b].rstrip()
+        lead = len(body) - len(body.lstrip())
+        body = body[body.rfind("\n", 0, lead) + 1 :]  # no leading blank line; indentation kept
         if max_chars is not None and len(body) > max_chars:
             return False
         label = f"paragraphs[{k}]" if first == k else f"paragraphs[{first}:{k + 1}]"
         chunks.append(Chunk(body, f"{where}.{label}"))
         return True
 
-    stop = last if keep_question else last + 1
-    for k in range(stop):
-        if sizes[k] < min_chars:
-            continue
-        if not chunks and first < k:  # the short paragraphs before the first long one
-            if text[starts[first] : ends[k - 1]].strip() and not close(k - 1):
+    for k in longs:
+        if not chunks:  # the preamble, then the first passage with the lines that head it
+            cut = _last_lines(
+                text, starts[first], starts[k], _label_size(text, starts, ends, longs, blank)
+            )
+            if text[starts[first] : cut].strip():
+                pre = max(j for j in range(k) if starts[j] < cut)  # the preamble's last
+                if not close(starts[first], pre, cut):
+                    break
+            first = max(j for j in range(k + 1) if starts[j] <= cut)
+            if not close(cut, k):
                 break
-            first = k  # (leading white space is in no chunk)
-        if not close(k):
+            first = k + 1
+            continue
+        if not close(starts[first], k):
             break
         first = k + 1
     else:  # no break: with keep_question False, the short paragraphs after the last long one
-        if not keep_question and chunks and first <= last and close(last):
+        if not keep_question and chunks and first <= last and close(starts[first], last):
             first = last + 1
     return chunks, text[starts[first] :] if first < len(starts) else ""
