@@ -32,6 +32,9 @@ source label) join the next long one, those before the first long one (an instru
 chunk of their own. So where a chunk ends depends on its own paragraphs only, never on what
 came before it, and a passage pasted after different ones is still the same chunk."""
 
+TRAILING_BREAK = re.compile(r"(?:\n\s*)?\Z")
+"""The line break (and blank lines) a slice ends in, if any."""
+
 NEWLINES = re.compile(r"\n(?:[^\S\n]*\n)*")
 """A newline and any empty or blank lines after it (the next line's indentation is its own)."""
 
@@ -175,7 +178,8 @@ def pasted_chunks(
 
     def close(a: int, k: int, b: int | None = None) -> bool:
         """A chunk from position a (in paragraph `first`) to the end of paragraph k (or to b)."""
-        body = text[a : ends[k] if b is None else b].rstrip()
+        body = text[a : ends[k] if b is None else b]
+        body = body[: len(body) - len(TRAILING_BREAK.search(body).group())]  # up to its line end
         lead = len(body) - len(body.lstrip())
         body = body[body.rfind("\n", 0, lead) + 1 :]  # no leading blank line; indentation kept
         if max_chars is not None and len(body) > max_chars:
