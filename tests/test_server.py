@@ -351,7 +351,7 @@ def test_a_conversation_reuses_its_earlier_turns_exactly(small: LoadedModel) -> 
     of a chat finds the turns the second one computed, in the same place after the same
     system prompt, and reuses them exactly; its answer is the one a full prefill gives."""
     exact = StoreConfig(storage_dtype="float32")  # exact reuse splices bit-identical K/V
-    long_turn = " ".join(DOCS) * 3  # closes a history chunk on its own (>= 512 characters)
+    long_turn = " ".join(DOCS) * 3  # >= 512 characters: laid out as the question, in blocks
     chat = [
         {"role": "system", "content": "Answer briefly."},
         {"role": "user", "content": long_turn},
@@ -372,17 +372,19 @@ def test_a_conversation_reuses_its_earlier_turns_exactly(small: LoadedModel) -> 
 
         second = turn(base, 4).usage.model_extra["cachecraft"]
         labels = [c["label"] for c in second["chunks"]]
-        assert labels == ["messages[1]", "messages[2]"]  # the long turn alone, then the reply
+        # the long turn alone (its 64-token blocks and the rest), then the reply
+        assert len(labels) >= 3 and labels[-1] == "messages[2]"
+        assert all(label.startswith("messages[1][") for label in labels[:-1])
         assert not any(c["is_hit"] for c in second["chunks"]) and second["chunks"][0]["is_exact"]
         third = turn(base, 6)
         report = third.usage.model_extra["cachecraft"]
-        labels = [c["label"] for c in report["chunks"]]
         # the short reply was the last, open chunk: it now holds the turns after it as well
-        assert labels == ["messages[1]", "messages[2:5]"]
-        first, rest = report["chunks"]
-        assert first["is_hit"] and first["is_exact"] and first["tokens_recomputed"] == 0
+        assert [c["label"] for c in report["chunks"]] == [*labels[:-1], "messages[2:5]"]
+        *before, rest = report["chunks"]
+        assert all(c["is_hit"] and c["is_exact"] and c["tokens_recomputed"] == 0 for c in before)
         assert not rest["is_hit"] and rest["is_exact"]
-        assert third.usage.prompt_tokens_details.cached_tokens >= first["num_tokens"]
+        reused = sum(c["num_tokens"] for c in before)
+        assert third.usage.prompt_tokens_details.cached_tokens >= reused
         assert third.choices[0].message.content == turn(full, 6).choices[0].message.content
 
 
