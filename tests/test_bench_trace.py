@@ -133,6 +133,20 @@ def test_a_system_trace_puts_the_passages_in_the_system_message(tokenizer: objec
     assert peer.body["prompt"] == layout_token_ids(served, tokenizer)
 
 
+def test_a_llamaindex_trace_heads_its_first_passage_like_the_others(tokenizer: object) -> None:
+    passages = [f"{t}\n{t} is a city. " + "It has a long history. " * 12 for t in ("Rome", "Oslo")]
+    items = [WorkloadItem("q", RagRequest("Which is older?", passages))]
+    (ours,) = rag_trace(items, None, 0, client="llamaindex")
+    user = ours.body["messages"][1]["content"]
+    assert user.startswith("Context information is below.") and ours.body["documents"] == []
+    served = as_served(items[0].request, "llamaindex")
+    # the heading alone; each titled passage a chunk of its own, the first one too
+    heading = "Context information is below.\n---------------------"
+    assert [c.text for c in served.chunks] == [heading, *passages]  # trailing spaces kept
+    (peer,) = vllm_trace(items, None, 0, tokenizer=tokenizer, client="llamaindex")
+    assert peer.body["prompt"] == layout_token_ids(served, tokenizer)
+
+
 def test_layout_ids_follow_the_rule_independently(tokenizer: object) -> None:
     """Head of the template, each chunk alone as text + "\\n\\n", "Question: q" + template tail:
     the same text as the template rendered around the whole user message."""

@@ -83,9 +83,10 @@ def add_bench_serve_parser(
         choices=CLIENTS,
         default="documents",
         help="how our servers get a request's passages: the documents field, pasted into the "
-        "user message (LangChain's stuff prompt), or into the system message (LangChain's "
-        "retrieval chain), cut into chunks by the server; vLLM gets the same prompt tokens "
-        "(not with --workload chat or shared-prefix)",
+        "user message (LangChain's stuff prompt; llamaindex: LlamaIndex's question-answering "
+        "prompt), or into the system message (LangChain's retrieval chain), cut into chunks by "
+        "the server; vLLM gets the same prompt tokens (not with --workload chat or "
+        "shared-prefix)",
     )
     parser.add_argument("--zipf", type=float, default=1.0, help="wiki-qa question popularity")
     parser.add_argument(

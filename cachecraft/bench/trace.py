@@ -35,9 +35,18 @@ SYSTEM_TEMPLATE = (
 """The system prompt of LangChain's retrieval-chain tutorial: the passages (joined by blank
 lines) in the system message, the user message the bare question."""
 
-CLIENTS = ("documents", "pasted", "system")
+LLAMAINDEX_TEMPLATE = (
+    "Context information is below.\n---------------------\n{context}\n---------------------\n"
+    "Given the context information and not prior knowledge, answer the query.\n"
+    "Query: {question}\nAnswer: "
+)
+"""LlamaIndex's default question-answering prompt (its heading straight above the first
+passage, the passages joined by blank lines), sent as the user message."""
+
+CLIENTS = ("documents", "pasted", "system", "llamaindex")
 """How a trace's chat bodies carry each request's passages: our `documents` field, pasted into
-the user message (`PASTED_TEMPLATE`), or in the system message (`SYSTEM_TEMPLATE`)."""
+the user message (`PASTED_TEMPLATE`, `LLAMAINDEX_TEMPLATE`), or in the system message
+(`SYSTEM_TEMPLATE`)."""
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -76,8 +85,9 @@ def client_messages(request: RagRequest, client: str) -> list[dict[str, str]]:
     """`request` as the chat messages `client` (one of `CLIENTS`) sends: with "documents" the
     passages are not in them (they go in the documents field)."""
     context = "\n\n".join(c.text for c in request.chunks)
-    if client == "pasted":
-        user = PASTED_TEMPLATE.format(context=context, question=request.question)
+    if client in ("pasted", "llamaindex"):
+        template = PASTED_TEMPLATE if client == "pasted" else LLAMAINDEX_TEMPLATE
+        user = template.format(context=context, question=request.question)
         return [{"role": "system", "content": request.system}, {"role": "user", "content": user}]
     if client == "system":
         system = SYSTEM_TEMPLATE.format(context=context)
