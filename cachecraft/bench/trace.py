@@ -84,23 +84,16 @@ def _arrivals(items: Sequence[WorkloadItem], rate: float | None, seed: int) -> l
 def client_messages(request: RagRequest, client: str) -> list[dict[str, str]]:
     """`request` as the chat messages `client` (one of `CLIENTS`) sends: with "documents" the
     passages are not in them (they go in the documents field)."""
+    if client not in CLIENTS:
+        raise BadRequestError(f"unknown client {client!r}; choose one of {', '.join(CLIENTS)}")
     context = "\n\n".join(c.text for c in request.chunks)
-    if client in ("pasted", "llamaindex"):
-        template = PASTED_TEMPLATE if client == "pasted" else LLAMAINDEX_TEMPLATE
-        user = template.format(context=context, question=request.question)
-        return [{"role": "system", "content": request.system}, {"role": "user", "content": user}]
+    system, user = request.system, request.question
     if client == "system":
         system = SYSTEM_TEMPLATE.format(context=context)
-        return [
-            {"role": "system", "content": system},
-            {"role": "user", "content": request.question},
-        ]
-    if client != "documents":
-        raise BadRequestError(f"unknown client {client!r}; choose one of {', '.join(CLIENTS)}")
-    return [
-        {"role": "system", "content": request.system},
-        {"role": "user", "content": request.question},
-    ]
+    elif client != "documents":
+        template = PASTED_TEMPLATE if client == "pasted" else LLAMAINDEX_TEMPLATE
+        user = template.format(context=context, question=request.question)
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
 def as_served(request: RagRequest, client: str) -> RagRequest:

@@ -122,8 +122,8 @@ class SamplingParams:
 
 class TokenLogprobs(NamedTuple):
     """A sampled token's log-probability and the `k` most likely tokens' (ids, most likely
-    first), under the model's own distribution (before temperature, top-k/p and min-p, as
-    vLLM reports them)."""
+    first), under the model's own distribution (before penalties, temperature, top-k/p and
+    min-p, as vLLM reports them)."""
 
     logprob: float
     top: tuple[tuple[int, float], ...]

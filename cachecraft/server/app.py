@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
@@ -331,6 +332,18 @@ def create_app(
                 texts[0][0],
             )
 
+    def check_vocabulary(name: str, ids: Sequence[int]) -> None:
+        """400 naming `name` when a token id is past the model's vocabulary."""
+        vocab = loaded.arch.vocab_size
+        outside = [t for t in ids if t >= vocab]
+        if outside:
+            raise ApiError(
+                400,
+                f"{name}: token {outside[0]} is not in the vocabulary (ids 0-{vocab - 1})",
+                "invalid_request_error",
+                param=name,
+            )
+
     async def tokenized(rag: Any) -> Any:
         """The request's layout (tokens, keys; context length checked) off the step thread."""
         loop = asyncio.get_running_loop()
@@ -383,19 +396,8 @@ def create_app(
             # what other replicas deleted must not be served from memory here
             await asyncio.to_thread(chunks.follow_registry, store, state.registry)
         sampling = sampling_of(body, config)
-        vocab = loaded.arch.vocab_size
-        for name, ids in (
-            ("logit_bias", [t for t, _ in sampling.logit_bias]),
-            ("stop_token_ids", sampling.stop_token_ids),
-        ):
-            outside = [t for t in ids if t >= vocab]
-            if outside:
-                raise ApiError(
-                    400,
-                    f"{name}: token {outside[0]} is not in the vocabulary (ids 0-{vocab - 1})",
-                    "invalid_request_error",
-                    param=name,
-                )
+        check_vocabulary("logit_bias", [t for t, _ in sampling.logit_bias])
+        check_vocabulary("stop_token_ids", sampling.stop_token_ids)
         layouts = [await tokenized(rag) for rag in rags]
         loop = asyncio.get_running_loop()
         chat = isinstance(body, ChatCompletionRequest)
@@ -486,15 +488,7 @@ def create_app(
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, _: str = Depends(namespace)) -> dict[str, Any]:
-        vocab = loaded.arch.vocab_size
-        outside = [t for t in body.tokens if t >= vocab]
-        if outside:
-            raise ApiError(
-                400,
-                f"tokens: {outside[0]} is not in the vocabulary (ids 0-{vocab - 1})",
-                "invalid_request_error",
-                param="tokens",
-            )
+        check_vocabulary("tokens", body.tokens)
         return {"prompt": loaded.tokenizer.decode(body.tokens)}
 
     # ---- chunks -----------------------------------------------------------------------------

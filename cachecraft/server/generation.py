@@ -234,16 +234,13 @@ class Generation:
     ) -> dict[str, Any]:
         """The choice object; its log-probabilities are the entries not yet sent, up to
         `upto` (None: all of them)."""
-        i = self.index
+        i, lp = self.index, self._logprobs_upto(upto)
         if not self.chat:
-            lp = self._logprobs_upto(upto)
             return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
         if delta:
             content = {} if text is None else {"content": text}
-            lp = self._logprobs_upto(upto)
             return {"index": i, "delta": content, "logprobs": lp, "finish_reason": finish}
         message = {"role": "assistant", "content": text}
-        lp = self._logprobs_upto(upto)
         return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
 
     def envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:

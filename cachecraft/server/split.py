@@ -27,10 +27,11 @@ LONG_TURN_CHARS = 512
 (`Chunk.as_question`): the blocks it lent then are reused, not computed a second time."""
 
 PASTED_CHUNK_CHARS = 256
-"""A paragraph of pasted text this long (~60 tokens) closes a chunk; shorter ones (a heading, a
+"""A paragraph of pasted text this long (~60 tokens) closes a chunk; shorter ones (a title, a
 source label) join the next long one, those before the first long one (an instruction) are a
-chunk of their own. So where a chunk ends depends on its own paragraphs only, never on what
-came before it, and a passage pasted after different ones is still the same chunk."""
+chunk of their own, but for the lines that head every passage (`pasted_chunks`). So where a
+chunk ends depends on its own paragraphs (the first passage's: also on how the others are
+headed), and a passage pasted after different ones is still the same chunk."""
 
 TRAILING_BREAK = re.compile(r"(?:\n\s*)?\Z")
 """The line break (and blank lines) a slice ends in, if any."""
