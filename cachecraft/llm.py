@@ -18,7 +18,7 @@ from cachecraft.engine.engine import Engine, EngineConfig, RequestOptions
 from cachecraft.engine.offline import Submission, run_requests
 from cachecraft.engine.report import RequestReport
 from cachecraft.engine.runner import Runner
-from cachecraft.engine.sampling import SamplingParams
+from cachecraft.engine.sampling import SamplingParams, TokenLogprobs
 from cachecraft.env import tune_allocator
 from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel, load_model
@@ -38,7 +38,8 @@ class RequestOutput:
     """text and token_ids of the answer; report of what was reused.
 
     first_token_logits [vocab] is kept when asked (`keep_logits`); teacher_forced_logits
-    [m, vocab]: row j is the distribution for forced token j given the prompt and tokens < j.
+    [m, vocab]: row j is the distribution for forced token j given the prompt and tokens < j;
+    logprobs: one `TokenLogprobs` per token id when the sampling asked for them.
     """
 
     text: str
@@ -47,6 +48,7 @@ class RequestOutput:
     report: RequestReport
     first_token_logits: torch.Tensor | None = None
     teacher_forced_logits: torch.Tensor | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -187,6 +189,7 @@ class LLM:
                     report=done.report,
                     first_token_logits=extras.first_logits if extras and keep_logits else None,
                     teacher_forced_logits=extras.forced_logits if extras else None,
+                    logprobs=done.logprobs,
                 )
             )
         return outs

@@ -38,6 +38,7 @@ def test_token_logprobs_are_the_log_softmax_and_its_top() -> None:
     assert [t for t, _ in lp.top] == [1, 2]
     assert [v for _, v in lp.top] == pytest.approx([float(want[1]), float(want[2])])
     assert token_logprobs(logits, 0, 0).top == ()
+    assert SamplingParams(logprobs=0).logprobs == 0
     nan = token_logprobs(torch.tensor([float("nan"), 1.0]), 1, 1)  # never raises
     assert math.isnan(nan.logprob)
     with pytest.raises(BadRequestError, match="logprobs"):
@@ -57,13 +58,17 @@ def test_chat_logprobs_streamed_and_not(small: LoadedModel) -> None:
             assert c.top_logprobs[0].token == c.token  # greedy: the most likely token
             assert c.logprob == pytest.approx(tops[0])
             assert bytes(c.bytes).decode() == c.token
-        # the first token's log-probability is the model's, from a full prefill
+        # the first token's log-probability is the model's, from a full prefill; the Python
+        # API gives the same ones
         llm = LLM(small)
-        ref = llm.generate(
-            chat_request(MESSAGES), SamplingParams(max_tokens=1), "full", keep_logits=True
-        )[0]
+        sampling = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3)
+        ref = llm.generate(chat_request(MESSAGES), sampling, "full", keep_logits=True)[0]
         want = torch.log_softmax(ref.first_token_logits.float(), -1)[ref.token_ids[0]]
         assert content[0].logprob == pytest.approx(float(want), abs=1e-4)
+        assert ref.logprobs is not None and len(ref.logprobs) == 5
+        assert [lp.logprob for lp in ref.logprobs] == pytest.approx(
+            [c.logprob for c in content], abs=1e-4
+        )
         streamed = []
         for chunk in client.chat.completions.create(
             messages=MESSAGES, logprobs=True, top_logprobs=3, stream=True, **KW

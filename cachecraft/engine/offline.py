@@ -15,7 +15,7 @@ from typing import Any
 from cachecraft.engine.engine import Engine, RequestExtras, RequestOptions
 from cachecraft.engine.handle import Failed, Finished, RequestHandle, Token
 from cachecraft.engine.report import RequestReport
-from cachecraft.engine.sampling import SamplingParams
+from cachecraft.engine.sampling import SamplingParams, TokenLogprobs
 from cachecraft.engine.scheduler import QueueFull
 from cachecraft.engine.text import TextStream
 from cachecraft.request import RagRequest
@@ -35,13 +35,15 @@ class Submission:
 @dataclass(slots=True)
 class Completion:
     """token_ids: generated ids (a final EOS/stop id included); text without it, cut before
-    the first stop string. extras: see RequestExtras (None unless the submission had options)."""
+    the first stop string. extras: see RequestExtras (None unless the submission had options).
+    logprobs: one per generated id when the sampling asked for them (`SamplingParams.logprobs`)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     report: RequestReport | None
     extras: RequestExtras | None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class _Tracked:
@@ -51,6 +53,7 @@ class _Tracked:
         self.stream = TextStream(tokenizer, sub.sampling.stop) if sub.sampling.stop else None
         self.done: Completion | None = None
         self.error: BaseException | None = None
+        self.logprobs: list[TokenLogprobs] | None = None if sub.sampling.logprobs is None else []
 
 
 def run_requests(engine: Engine, submissions: Sequence[Submission]) -> list[Completion]:
@@ -98,6 +101,8 @@ def _loop(
 def _drain(t: _Tracked, tokenizer: Any) -> None:
     while (event := t.handle.poll()) is not None:
         if isinstance(event, Token):
+            if t.logprobs is not None and event.logprobs is not None:
+                t.logprobs.append(event.logprobs)
             if t.stream is not None:
                 t.stream.add(event.token_id)
                 if t.stream.stopped:
@@ -115,4 +120,4 @@ def _completion(t: _Tracked, event: Finished, tokenizer: Any) -> Completion:
     else:
         shown = ids[:-1] if event.finish_reason == "stop" and ids else ids
         text = tokenizer.decode(shown, skip_special_tokens=True).strip()
-    return Completion(text, ids, event.finish_reason, event.report, event.extras)
+    return Completion(text, ids, event.finish_reason, event.report, event.extras, t.logprobs)
