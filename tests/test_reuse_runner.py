@@ -529,3 +529,29 @@ def test_a_long_turn_reuses_its_question_blocks_in_the_next_turn(llm: LLM, mode:
     assert len(blocks) >= 2 and all(c.is_hit and c.tokens_recomputed == 0 for c in blocks)
     full = _run(llm, later, "full")
     assert (again.first_token_logits - full.first_token_logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("refresh", [True, False])
+def test_a_repeated_prompt_is_refreshed_then_reused_exactly(tiny_dir: Path, refresh: bool) -> None:
+    """Chunks reused from other contexts are recomputed in part; the same prompt sent again
+    computes them in full (exact variants), and from then on it computes only the question
+    and answers as the full prefill does. With refresh_repeats off it never gets exact."""
+    llm = LLM(
+        str(tiny_dir),
+        store=MemoryStore(2 << 30, storage_dtype="float32"),
+        refresh_repeats=refresh,
+    )
+    _run(llm, _req([0, 1, 2]), "cachecraft")
+    moved = _req([2, 0, 1])
+    first = _run(llm, moved, "cachecraft")
+    assert all(c.is_hit for c in first.report.chunks)
+    again = _run(llm, moved, "cachecraft")
+    third = _run(llm, moved, "cachecraft")
+    if refresh:
+        assert [c.is_hit for c in again.report.chunks] == [False, False, False]  # refreshed
+        assert all(c.is_hit and c.tokens_recomputed == 0 for c in third.report.chunks)
+        full = _run(llm, moved, "full")
+        assert (third.first_token_logits - full.first_token_logits).abs().max() < 1e-4
+    else:
+        assert all(c.is_hit for c in again.report.chunks + third.report.chunks)
+        assert sum(c.tokens_recomputed for c in third.report.chunks) > 0

@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -48,6 +48,10 @@ from cachecraft.reuse.plan import RecomputePlan
 from cachecraft.store.codec import CorruptVariantError
 
 log = logging.getLogger(__name__)
+
+
+MAX_PROMPTS_SEEN = 1 << 16
+"""Prompts the engine remembers to recognise a repeat (one int each)."""
 
 
 class EngineStopped(RuntimeError):
@@ -130,6 +134,9 @@ class _Live:
     """Results of the pieces of a chunked prefill computed so far."""
     offers: frozenset[Offer] = frozenset()
     """The chunk-caches its prefill will offer the store (set when it starts)."""
+    repeat: bool = False
+    """A `cachecraft` request whose very prompt the engine admitted before in that mode
+    (`ReuseConfig.refresh_repeats`)."""
 
 
 class Engine:
@@ -166,6 +173,8 @@ class Engine:
             )
         self._released: list[KVCache] = []  # caches of requests that ended this step
         self._warm = False  # `_warm_kernels` ran
+        self._prompts: OrderedDict[int, None] = OrderedDict()
+        """Hashes of the last MAX_PROMPTS_SEEN prompts admitted (a repeat is refreshed)."""
 
     # ---- other threads ----------------------------------------------------------------------
     @property
@@ -475,7 +484,21 @@ class Engine:
         return kv
 
     def _plan(self, live: _Live) -> RecomputePlan:
-        return self.runner.plan(live.request, live.mode, live.budgets, layout=live.layout)
+        return self.runner.plan(
+            live.request, live.mode, live.budgets, layout=live.layout, repeat=live.repeat
+        )
+
+    def _seen_before(self, layout: PromptLayout) -> bool:
+        """Whether this very prompt (token for token) was admitted before in `cachecraft` mode
+        (the one that refreshes repeats; a `full` reference run is not a sighting); remembers
+        it."""
+        key = hash(layout.token_ids)
+        seen = key in self._prompts
+        self._prompts[key] = None
+        self._prompts.move_to_end(key)
+        if len(self._prompts) > MAX_PROMPTS_SEEN:
+            self._prompts.popitem(last=False)
+        return seen
 
     @staticmethod
     def _is_prefilling(live: _Live) -> bool:
@@ -588,11 +611,13 @@ class Engine:
         """Plan (store metadata only), prefetch the chosen variants, queue for the scheduler."""
         rid = live.handle.request_id
         try:
+            live.layout = live.layout or self.runner.layout(live.request)
+            live.repeat = live.mode == "cachecraft" and self._seen_before(live.layout)
             plan = self._plan(live)
         except Exception as e:
             live.handle.push(Failed(e))
             return
-        layout = live.layout = plan.layout  # tokenized once: `_splice` plans again with it
+        layout = live.layout  # tokenized once: `_splice` plans again with it
         max_ctx = self.runner.loaded.arch.max_position_embeddings
         # n output tokens need n - 1 fed back in: positions up to num_tokens + n - 2 < max_ctx.
         max_tokens = min(live.sampling.max_tokens, max_ctx - layout.num_tokens + 1)

@@ -114,10 +114,12 @@ class Runner:
         budgets: list[int | None] | None = None,
         lookup: bool = True,
         layout: PromptLayout | None = None,
+        repeat: bool = False,
     ) -> RecomputePlan:
         """The request's plan; `lookup=False` ignores stored variants (every chunk computed in
         full and made a variant: `LLM.precompute`). `layout`: `self.layout(request)` computed
-        earlier (tokenization done off the step thread)."""
+        earlier (tokenization done off the step thread). `repeat`: the engine saw this very
+        prompt before (`ReuseConfig.refresh_repeats`)."""
         if mode not in MODES:
             raise BadRequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         m = self.loaded
@@ -127,7 +129,7 @@ class Runner:
             variants = {c.key: self.store.variants(c.key) for c in layout.chunks}
         prefix_hit = self.prefix_cache.get(layout.prefix_key) is not None
         return plan_request(
-            layout, variants, mode, self.reuse, m.arch.num_layers, budgets, prefix_hit
+            layout, variants, mode, self.reuse, m.arch.num_layers, budgets, prefix_hit, repeat
         )
 
     def layout(self, request: RagRequest) -> PromptLayout:

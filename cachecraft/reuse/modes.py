@@ -31,7 +31,8 @@ from cachecraft.store.meta import VariantMeta
 @dataclass(frozen=True, slots=True)
 class PlanInput:
     """Everything a mode needs. budgets: per chunk a caller's token budget (None entries: the
-    mode's default). prefix_hit: the exact prefix cache holds this layout's prefix."""
+    mode's default). prefix_hit: the exact prefix cache holds this layout's prefix. repeat:
+    the engine saw this very prompt before."""
 
     layout: PromptLayout
     variants: Mapping[str, Sequence[VariantMeta]]
@@ -39,6 +40,8 @@ class PlanInput:
     num_layers: int
     budgets: Sequence[int | None] | None = None
     prefix_hit: bool = True
+    repeat: bool = False
+    """The same prompt was planned before (`ReuseConfig.refresh_repeats`)."""
 
     def s_new(self, i: int) -> tuple[str, ...]:
         return tuple(c.key for c in self.layout.chunks[:i])
@@ -267,7 +270,8 @@ def _probe(
 
 def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
     """Ours: the variant with the lowest predicted error (honest beta); a chunk whose best
-    predicted error is above refresh_error is computed in full (a fresh variant); CFO sets the
+    predicted error is above refresh_error, or that has no exact variant here in a repeated
+    prompt (refresh_repeats), is computed in full (a fresh variant); CFO sets the
     request's budget; a probe of the question ranks the tokens and, with probe_check, the
     top-ranked run to a check layer where question attention x K/V deviation picks the ones
     that go on (selectors.select_by_question). A probe costing more than probe_max_cost x the
@@ -278,7 +282,9 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
         score = inp.choose(i)
         if score is None:
             chunks.append(miss(slot))
-        elif config.refresh_error is not None and score.error > config.refresh_error:
+        elif (config.refresh_error is not None and score.error > config.refresh_error) or (
+            inp.repeat and config.refresh_repeats and not score.is_exact_here
+        ):
             chunks.append(replace(miss(slot, "refresh"), error=score.error, cfo=score.cfo))
         else:
             budget, reason = _budget(inp, i, fix_count(score.cfo, slot.num_tokens))

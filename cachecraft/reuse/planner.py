@@ -40,6 +40,7 @@ def plan_request(
     num_layers: int,
     budgets: Sequence[int | None] | None = None,
     prefix_hit: bool = True,
+    repeat: bool = False,
 ) -> RecomputePlan:
     """Plan one request in `mode` (one of config.MODES).
 
@@ -47,6 +48,7 @@ def plan_request(
     a token budget for the reused chunks (None entries fall back to the mode's default; the
     global modes, prophet and cacheblend_global, spend their sum; see `matched_budgets`).
     prefix_hit: the exact prefix cache holds this prefix (its rows are then not computed).
+    repeat: this very prompt was planned before (cachecraft refreshes it: `refresh_repeats`).
     A repeated chunk key is planned at each occurrence on its own.
     """
     if mode not in MODES:
@@ -56,7 +58,7 @@ def plan_request(
     if num_layers < 1:
         raise ValueError("num_layers must be >= 1")
     check_config(config)
-    inp = PlanInput(layout, variants, config, num_layers, budgets, prefix_hit)
+    inp = PlanInput(layout, variants, config, num_layers, budgets, prefix_hit, repeat)
     return MODE_PLANNERS[mode](inp)
 
 
