@@ -46,7 +46,7 @@ class ReuseConfig:
     """Predicted error above which a reused chunk is computed in full instead and offered as a
     new variant (None: never)."""
     refresh_repeats: bool = True
-    """cachecraft: a prompt seen before (token for token, by this engine) computes in full
+    """cachecraft: a prompt this engine prefilled before (token for token) computes in full
     every chunk with no exact variant in its place and offers them, so from its next repeat
     on it is reused exactly, as a prefix cache serves a repeated prompt."""
     use_order_penalty: bool = True

@@ -135,8 +135,10 @@ class _Live:
     offers: frozenset[Offer] = frozenset()
     """The chunk-caches its prefill will offer the store (set when it starts)."""
     repeat: bool = False
-    """A `cachecraft` request whose very prompt the engine admitted before in that mode
+    """A `cachecraft` request whose very prompt an earlier one prefilled in that mode
     (`ReuseConfig.refresh_repeats`)."""
+    prompt_hash: int | None = None
+    """Its prompt's hash, remembered once its prefill is done (`cachecraft` mode only)."""
 
 
 class Engine:
@@ -174,7 +176,8 @@ class Engine:
         self._released: list[KVCache] = []  # caches of requests that ended this step
         self._warm = False  # `_warm_kernels` ran
         self._prompts: OrderedDict[int, None] = OrderedDict()
-        """Hashes of the last MAX_PROMPTS_SEEN prompts admitted (a repeat is refreshed)."""
+        """Hashes of the last MAX_PROMPTS_SEEN prompts prefilled in `cachecraft` mode (one sent
+        again is a repeat, and refreshed)."""
 
     # ---- other threads ----------------------------------------------------------------------
     @property
@@ -488,17 +491,14 @@ class Engine:
             live.request, live.mode, live.budgets, layout=live.layout, repeat=live.repeat
         )
 
-    def _seen_before(self, layout: PromptLayout) -> bool:
-        """Whether this very prompt (token for token) was admitted before in `cachecraft` mode
-        (the one that refreshes repeats; a `full` reference run is not a sighting); remembers
-        it."""
-        key = hash(layout.token_ids)
-        seen = key in self._prompts
-        self._prompts[key] = None
-        self._prompts.move_to_end(key)
+    def _remember(self, prompt_hash: int) -> None:
+        """A `cachecraft` prefill of this prompt is done: the next one is a repeat. Only
+        prefills count, so the `n` choices of one request, submitted together, are not repeats
+        of each other (nor is a `full` reference run a sighting)."""
+        self._prompts[prompt_hash] = None
+        self._prompts.move_to_end(prompt_hash)
         if len(self._prompts) > MAX_PROMPTS_SEEN:
             self._prompts.popitem(last=False)
-        return seen
 
     @staticmethod
     def _is_prefilling(live: _Live) -> bool:
@@ -612,7 +612,9 @@ class Engine:
         rid = live.handle.request_id
         try:
             live.layout = live.layout or self.runner.layout(live.request)
-            live.repeat = live.mode == "cachecraft" and self._seen_before(live.layout)
+            if live.mode == "cachecraft":
+                live.prompt_hash = hash(live.layout.token_ids)
+                live.repeat = live.prompt_hash in self._prompts
             plan = self._plan(live)
         except Exception as e:
             live.handle.push(Failed(e))
@@ -713,6 +715,8 @@ class Engine:
                     self._fail(rid, e)
                     continue
                 live.outcome = outcome
+                if live.prompt_hash is not None:
+                    self._remember(live.prompt_hash)
                 if live.options is None or live.options.commit:
                     outcomes.append(outcome)
                 self.scheduler.prefilled(rid)
