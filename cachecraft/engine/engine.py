@@ -139,6 +139,8 @@ class _Live:
     (`ReuseConfig.refresh_repeats`)."""
     prompt_hash: int | None = None
     """Its prompt's hash, remembered once its prefill is done (`cachecraft` mode only)."""
+    prompt_ids: tuple[int, ...] = ()
+    """Its prompt's token ids, kept only for a repetition penalty (read at every token)."""
 
 
 class Engine:
@@ -590,9 +592,8 @@ class Engine:
             return
         k = live.sampling.logprobs
         try:
-            assert live.state is not None and live.layout is not None
-            prompt = live.layout.token_ids if live.sampling.repetition_penalty != 1 else ()
-            out = live.state.output_ids
+            assert live.state is not None
+            out, prompt = live.state.output_ids, live.prompt_ids
             token = sample(logits, live.sampling, live.generator, out, prompt, live.stops)
             logprobs = None if k is None else token_logprobs(logits, token, k)
         except Exception as e:
@@ -612,8 +613,11 @@ class Engine:
         rid = live.handle.request_id
         try:
             live.layout = live.layout or self.runner.layout(live.request)
+            ids = live.layout.token_ids  # built once (a property that joins the slots)
+            if live.sampling.repetition_penalty != 1:
+                live.prompt_ids = ids
             if live.mode == "cachecraft":
-                live.prompt_hash = hash(live.layout.token_ids)
+                live.prompt_hash = hash(ids)
                 live.repeat = live.prompt_hash in self._prompts
             plan = self._plan(live)
         except Exception as e:

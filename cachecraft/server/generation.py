@@ -49,14 +49,13 @@ def to_rag(
     `pasted_chunk_chars`, none when 0, and `max_document_chars`), the rest of it -> the
     question."""
     config = config or ServerConfig()
-    split = config.pasted_chunk_chars, config.max_document_chars
-    chunks = _chunks(body.documents)
     if isinstance(body, CompletionRequest):
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             raise BadRequestError("prompt: give one string here (to_rags takes a list of them)")
-        pasted, question = pasted_chunks(prompts[0], "prompt", *split)
-        return RagRequest(question, chunks + pasted, namespace=namespace)
+        return _completion_rag(prompts[0], body, namespace, config)
+    split = config.pasted_chunk_chars, config.max_document_chars
+    chunks = _chunks(body.documents)
     system = "\n".join(m.text() for m in body.messages if m.role in ("system", "developer"))
     turns = [(i, m) for i, m in enumerate(body.messages) if m.role in ("user", "assistant", "tool")]
     if not turns:
@@ -93,7 +92,17 @@ def to_rags(
         return [to_rag(body, namespace, config)]
     if not body.prompt:
         raise BadRequestError("prompt: give at least one string")
-    return [to_rag(body.model_copy(update={"prompt": p}), namespace, config) for p in body.prompt]
+    config = config or ServerConfig()
+    return [_completion_rag(p, body, namespace, config) for p in body.prompt]
+
+
+def _completion_rag(
+    prompt: str, body: CompletionRequest, namespace: str, config: ServerConfig
+) -> RagRequest:
+    """One completion prompt: the documents, then the context pasted into it, as chunks."""
+    split = config.pasted_chunk_chars, config.max_document_chars
+    pasted, question = pasted_chunks(prompt, "prompt", *split)
+    return RagRequest(question, _chunks(body.documents) + pasted, namespace=namespace)
 
 
 def _chunks(documents: list[Document]) -> list[Chunk]:
