@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from cachecraft.engine.engine import Engine, EngineConfig
-from cachecraft.engine.handle import Failed, Finished, RequestHandle, Token
+from cachecraft.engine.handle import Failed, Finished, PromptLogprobs, RequestHandle, Token
 from cachecraft.engine.options import RequestExtras, RequestOptions, StepStat
 from cachecraft.engine.report import ChunkReport, RequestReport
 from cachecraft.engine.sampling import SamplingParams
@@ -46,6 +46,7 @@ __all__ = [
     "Finished",
     "LoadedModel",
     "MemoryStore",
+    "PromptLogprobs",
     "RecomputePlan",
     "RedisServer",
     "RequestExtras",

@@ -39,7 +39,9 @@ class RequestOutput:
 
     first_token_logits [vocab] is kept when asked (`keep_logits`); teacher_forced_logits
     [m, vocab]: row j is the distribution for forced token j given the prompt and tokens < j;
-    logprobs: one `TokenLogprobs` per token id when the sampling asked for them.
+    logprobs: one `TokenLogprobs` per token id when the sampling asked for them;
+    prompt_logprobs: one per prompt token (None for the first) when the sampling asked for
+    them (`SamplingParams.prompt_logprobs`; the request then runs in `full` mode).
     """
 
     text: str
@@ -49,6 +51,7 @@ class RequestOutput:
     first_token_logits: torch.Tensor | None = None
     teacher_forced_logits: torch.Tensor | None = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -190,6 +193,7 @@ class LLM:
                     first_token_logits=extras.first_logits if extras and keep_logits else None,
                     teacher_forced_logits=extras.forced_logits if extras else None,
                     logprobs=done.logprobs,
+                    prompt_logprobs=done.prompt_logprobs,
                 )
             )
         return outs

@@ -46,13 +46,20 @@ class RagRequest:
     """[system prefix][chunk 1]...[chunk k][question]. No chunks is fine; no question is not.
 
     `system_chunks`: context the system message carries after `system` (retrieved passages a
-    client put there): chunk-caches like `chunks`, laid out inside the system turn."""
+    client put there): chunk-caches like `chunks`, laid out inside the system turn.
+
+    `raw`: `question` is the whole prompt, read as given (no chat template, no system prompt,
+    no `Question: `; tokenized as vLLM tokenizes a completion's prompt), as a plain language
+    model continues it; no chunks. `prompt_ids`: a raw prompt given as token ids (implies
+    `raw`; `question` is then only a label, and may be empty)."""
 
     question: str
     chunks: tuple[Chunk, ...] = field(default_factory=tuple)
     system: str = DEFAULT_SYSTEM
     namespace: str = "default"
     system_chunks: tuple[Chunk, ...] = field(default_factory=tuple)
+    raw: bool = False
+    prompt_ids: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -61,8 +68,12 @@ class RagRequest:
         system: str | None = None,
         namespace: str = "default",
         system_chunks: list[Chunk] | tuple[Chunk, ...] | list[str] = (),
+        *,
+        raw: bool = False,
+        prompt_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
-        if not isinstance(question, str) or not question.strip():
+        ids = _token_ids(prompt_ids)
+        if not isinstance(question, str) or not (question.strip() or ids):
             raise BadRequestError("the question is empty")
         items = _chunk_tuple(chunks, "chunks")
         if system is not None and not isinstance(system, str):
@@ -78,6 +89,18 @@ class RagRequest:
         object.__setattr__(self, "system", DEFAULT_SYSTEM if system is None else system)
         object.__setattr__(self, "namespace", namespace)
         object.__setattr__(self, "system_chunks", _chunk_tuple(system_chunks, "system_chunks"))
+        object.__setattr__(self, "raw", bool(raw or ids))
+        object.__setattr__(self, "prompt_ids", ids)
+        if self.raw and (self.chunks or self.system_chunks):
+            raise BadRequestError("a raw prompt has no chunks (it is read as given)")
+
+
+def _token_ids(ids: object) -> tuple[int, ...]:
+    if isinstance(ids, str | bytes) or not isinstance(ids, list | tuple):
+        raise BadRequestError("prompt_ids must be a list of token ids")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise BadRequestError("prompt_ids: give token ids >= 0")
+    return tuple(ids)
 
 
 def _chunk_tuple(chunks: object, what: str) -> tuple[Chunk, ...]:

@@ -13,6 +13,7 @@ threads only enqueue (submit, abort, call).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -26,7 +27,14 @@ from typing import Any, NamedTuple
 import torch
 
 from cachecraft.config import MODES
-from cachecraft.engine.handle import Failed, Finished, Planned, RequestHandle, Token
+from cachecraft.engine.handle import (
+    Failed,
+    Finished,
+    Planned,
+    PromptLogprobs,
+    RequestHandle,
+    Token,
+)
 from cachecraft.engine.options import RequestExtras, RequestOptions, StepStat, force_tokens
 from cachecraft.engine.request import SeqState
 from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner, Spliced
@@ -34,6 +42,7 @@ from cachecraft.engine.sampling import (
     SamplingParams,
     TokenLogprobs,
     make_generator,
+    prompt_token_logprobs,
     sample,
     token_logprobs,
 )
@@ -141,6 +150,8 @@ class _Live:
     """Its prompt's hash, remembered once its prefill is done (`cachecraft` mode only)."""
     prompt_ids: tuple[int, ...] = ()
     """Its prompt's token ids, kept only for a repetition penalty (read at every token)."""
+    prompt_entries: list[TokenLogprobs] = field(default_factory=list)
+    """Prompt log-probabilities of the rows computed so far (`SamplingParams.prompt_logprobs`)."""
 
 
 class Engine:
@@ -401,6 +412,7 @@ class Engine:
         """`_splice`, its probe alone (if any) and the job."""
         spliced = self._splice(live)
         live.job = self.runner.build(spliced, self.runner.run_probe(spliced))
+        self._ask_logits(live)
 
     @staticmethod
     def _is_starting(live: _Live) -> bool:
@@ -454,9 +466,35 @@ class Engine:
                 continue  # failed above
             try:
                 live.job = self.runner.build(s, results.get(rid))
+                self._ask_logits(live)
             except Exception as e:
                 s.loader.close()
                 self._fail(rid, e)
+
+    @staticmethod
+    def _ask_logits(live: _Live) -> None:
+        """Prompt log-probabilities need every prompt row's logits (`_keep_prompt_logprobs`)."""
+        if live.sampling.prompt_logprobs is not None and live.job is not None:
+            live.job.work.logits_for = "all"
+
+    @staticmethod
+    def _keep_prompt_logprobs(live: _Live, result: SeqResult, start: int) -> SeqResult:
+        """A prefill result (the whole prompt, or one piece) with every row's logits: the rows
+        become prompt log-probabilities (row at position p: the prompt's token p + 1), and only
+        the last row's logits stay (the next token's, once the last piece is in). `start`: the
+        piece's first row (a prefill run again whole after a failed step starts at 0)."""
+        assert live.job is not None and live.plan is not None
+        ids = live.plan.layout.token_ids
+        m = result.logits.shape[0]
+        start = 0 if m == len(live.job.rows) else start
+        if start == 0:
+            live.prompt_entries = []
+        positions = live.job.rows[start : start + m]
+        keep = positions < len(ids) - 1
+        nxt = torch.tensor(ids, dtype=torch.long)[positions[keep] + 1]
+        k = live.sampling.prompt_logprobs or 0
+        live.prompt_entries += prompt_token_logprobs(result.logits[keep], nxt, k)
+        return dataclasses.replace(result, logits=result.logits[-1:])
 
     def _splice(self, live: _Live, plan: RecomputePlan | None = None) -> Spliced:
         """Plan again (variants stored while this request waited, by requests admitted before
@@ -611,6 +649,8 @@ class Engine:
     def _admit(self, live: _Live) -> None:
         """Plan (store metadata only), prefetch the chosen variants, queue for the scheduler."""
         rid = live.handle.request_id
+        if live.sampling.prompt_logprobs is not None:
+            live.mode = "full"  # every prompt row's logits: nothing is reused
         try:
             live.layout = live.layout or self.runner.layout(live.request)
             ids = live.layout.token_ids  # built once (a property that joins the slots)
@@ -705,6 +745,8 @@ class Engine:
                 continue
             if is_prefill:
                 assert live.job is not None and live.state is not None
+                if live.sampling.prompt_logprobs is not None:
+                    result = self._keep_prompt_logprobs(live, result, spans[rid][0])
                 if result.rows_last_layer.shape[0] < len(live.job.rows):  # a piece
                     live.pieces.append(result)
                     live.state.num_done_rows = spans[rid][1]
@@ -724,6 +766,9 @@ class Engine:
                 if live.options is None or live.options.commit:
                     outcomes.append(outcome)
                 self.scheduler.prefilled(rid)
+                if live.sampling.prompt_logprobs is not None:
+                    ids = live.plan.layout.token_ids
+                    live.handle.push(PromptLogprobs(ids, live.prompt_entries))
                 logits = outcome.first_logits
             else:
                 logits = result.logits[0]

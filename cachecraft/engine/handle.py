@@ -1,7 +1,8 @@
 """RequestHandle: one submitted request's event stream, fed by the engine thread.
 
-Events: Planned (the prompt was laid out and queued), Token (one sampled id), Finished (last),
-Failed (the request could not run; the error names why). Consumers read them with `await
+Events: Planned (the prompt was laid out and queued), PromptLogprobs (when asked, right before
+the first Token), Token (one sampled id), Finished (last), Failed (the request could not run;
+the error names why). Consumers read them with `await
 next_event()` (asyncio; events arrive through `loop.call_soon_threadsafe`) or `get()` (threads).
 """
 
@@ -20,6 +21,14 @@ from cachecraft.engine.sampling import TokenLogprobs
 class Planned(NamedTuple):
     num_prompt_tokens: int
     max_tokens: int
+
+
+class PromptLogprobs(NamedTuple):
+    """The prompt's n token ids and, for i = 1..n-1, token i's log-probability given tokens
+    0..i-1 and its top alternatives (`SamplingParams.prompt_logprobs`; the first has none)."""
+
+    token_ids: tuple[int, ...]
+    entries: list[TokenLogprobs]
 
 
 class Token(NamedTuple):
@@ -43,7 +52,7 @@ class Failed(NamedTuple):
     error: BaseException
 
 
-Event = Planned | Token | Finished | Failed
+Event = Planned | PromptLogprobs | Token | Finished | Failed
 
 
 class RequestHandle:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachecraft.engine.engine import Engine, RequestExtras, RequestOptions
-from cachecraft.engine.handle import Failed, Finished, RequestHandle, Token
+from cachecraft.engine.handle import Failed, Finished, PromptLogprobs, RequestHandle, Token
 from cachecraft.engine.report import RequestReport
 from cachecraft.engine.sampling import SamplingParams, TokenLogprobs
 from cachecraft.engine.scheduler import QueueFull
@@ -36,7 +36,8 @@ class Submission:
 class Completion:
     """token_ids: generated ids (a final EOS/stop id included); text without it, cut before
     the first stop string. extras: see RequestExtras (None unless the submission had options).
-    logprobs: one per generated id when the sampling asked for them (`SamplingParams.logprobs`)."""
+    logprobs: one per generated id when the sampling asked for them (`SamplingParams.logprobs`);
+    prompt_logprobs: one per prompt token, None for the first (`SamplingParams.prompt_logprobs`)."""
 
     text: str
     token_ids: list[int]
@@ -44,6 +45,7 @@ class Completion:
     report: RequestReport | None
     extras: RequestExtras | None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _Tracked:
@@ -54,6 +56,7 @@ class _Tracked:
         self.done: Completion | None = None
         self.error: BaseException | None = None
         self.logprobs: list[TokenLogprobs] | None = None if sub.sampling.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def run_requests(engine: Engine, submissions: Sequence[Submission]) -> list[Completion]:
@@ -100,7 +103,9 @@ def _loop(
 
 def _drain(t: _Tracked, tokenizer: Any) -> None:
     while (event := t.handle.poll()) is not None:
-        if isinstance(event, Token):
+        if isinstance(event, PromptLogprobs):
+            t.prompt_logprobs = [None, *event.entries]
+        elif isinstance(event, Token):
             if t.logprobs is not None and event.logprobs is not None:
                 t.logprobs.append(event.logprobs)
             if t.stream is not None:
@@ -120,4 +125,6 @@ def _completion(t: _Tracked, event: Finished, tokenizer: Any) -> Completion:
     else:
         shown = ids[:-1] if event.finish_reason == "stop" and ids else ids
         text = tokenizer.decode(shown, skip_special_tokens=True).strip()
-    return Completion(text, ids, event.finish_reason, event.report, event.extras, t.logprobs)
+    return Completion(
+        text, ids, event.finish_reason, event.report, event.extras, t.logprobs, t.prompt_logprobs
+    )

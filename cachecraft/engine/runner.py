@@ -135,6 +135,11 @@ class Runner:
     def layout(self, request: RagRequest) -> PromptLayout:
         """Tokenize the request and check the context length (no model, no store: any thread)."""
         m = self.loaded
+        outside = [t for t in request.prompt_ids if t >= m.arch.vocab_size]
+        if outside:
+            raise BadRequestError(
+                f"prompt: token {outside[0]} is not in the vocabulary (ids 0-{m.arch.vocab_size - 1})"
+            )
         return build_layout(request, m.tokenizer, m.fingerprint, m.arch.max_position_embeddings)
 
     # ---- KV assembly ----------------------------------------------------------------------

@@ -62,6 +62,10 @@ class SamplingParams:
     """OpenAI's: (token id, bias in [-100, 100]) added to those tokens' logits."""
     min_tokens: int = 0
     """vLLM's: no stop token (EOS, `stop_token_ids`) is sampled before this many tokens."""
+    prompt_logprobs: int | None = None
+    """vLLM's: None: none; k >= 0: each prompt token's log-probability given the tokens before
+    it and the k most likely tokens there (`prompt_token_logprobs`). Every prompt row is then
+    computed: the request runs in `full` mode whatever mode it was given."""
 
     @property
     def penalized(self) -> bool:
@@ -113,11 +117,12 @@ class SamplingParams:
         if any(t < 0 or not -100 <= b <= 100 for t, b in bias):
             raise BadRequestError("logit_bias: give token ids >= 0 and biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
-        k = self.logprobs
-        if k is not None and (
-            isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS
-        ):
-            raise BadRequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (
+                isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS
+            ):
+                raise BadRequestError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}]")
 
 
 class TokenLogprobs(NamedTuple):
@@ -138,6 +143,24 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
         () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
     )
     return TokenLogprobs(float(logp[token]), pairs)
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> list[TokenLogprobs]:
+    """logits [m, vocab] (row j: the distribution after the prompt's first j + 1 tokens, say)
+    and tokens [m] (the token that came next in each row) -> one `TokenLogprobs` per row, as
+    `token_logprobs` gives for one."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens.long()[:, None])[:, 0].tolist()
+    if not k:
+        return [TokenLogprobs(v, ()) for v in chosen]
+    top = torch.topk(logp, k, dim=-1)
+    ids, values = top.indices.tolist(), top.values.tolist()
+    return [
+        TokenLogprobs(v, tuple(zip(i, t, strict=True)))
+        for v, i, t in zip(chosen, ids, values, strict=True)
+    ]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

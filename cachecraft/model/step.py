@@ -132,7 +132,7 @@ def piece(work: SeqWork, start: int, end: int) -> SeqWork:
     several steps; later pieces read the K/V earlier ones wrote). Only a work without hooks,
     a meter or per-row last layers can be split; its layer loader goes with the first piece
     (it fills every layer of the reused K/V as that piece's forward reaches it); logits as
-    asked, from the last piece only."""
+    asked: all rows' from every piece, the last row's from the last piece only."""
     if work.hooks or work.last_layer is not None or work.meter is not None:
         raise ValueError("a work with hooks, a key meter or per-row last layers runs whole")
     n = work.positions.shape[0]
@@ -144,7 +144,7 @@ def piece(work: SeqWork, start: int, end: int) -> SeqWork:
         stats_rows=None if work.stats_rows is None else work.stats_rows[start:end],
         stats_layers=work.stats_layers,
         before_layer=work.before_layer if start == 0 else None,
-        logits_for=work.logits_for if end == n else "none",
+        logits_for=work.logits_for if end == n or work.logits_for == "all" else "none",
     )
 
 

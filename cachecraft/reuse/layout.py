@@ -6,6 +6,8 @@ wherever it appears; a long question lends its leading token blocks to chunk slo
 prefix, after the system prompt) and its tail (goes after the question). Context carried by
 the system message (`RagRequest.system_chunks`) is chunks inside the system turn: the head
 then ends where they begin, and the template's end of the system turn is a slot of its own.
+A raw request (`RagRequest.raw`: a prompt read as given, no template) has an empty prefix and
+is all question, its leading blocks lent to chunk slots as a long question's are.
 """
 
 from __future__ import annotations
@@ -80,10 +82,49 @@ def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _blocks(num_tokens: int) -> list[tuple[int, int]]:
+    """The leading QUESTION_BLOCK-token blocks a question of `num_tokens` tokens lends."""
+    out: list[tuple[int, int]] = []
+    while num_tokens - len(out) * QUESTION_BLOCK >= QUESTION_BLOCK + QUESTION_KEEP:
+        a = len(out) * QUESTION_BLOCK
+        out.append((a, a + QUESTION_BLOCK))
+    return out
+
+
+def _raw_layout(request: RagRequest, tokenizer: Any, fingerprint: str) -> PromptLayout:
+    """The prompt's own ids (`prompt_ids`, or the question tokenized with the special tokens
+    the tokenizer adds, as vLLM tokenizes a completion's prompt): no prefix, the leading blocks
+    as chunk slots, the rest the question."""
+    ids = request.prompt_ids or tuple(tokenizer(request.question)["input_ids"])
+    slots = []
+    for a, b in _blocks(len(ids)):
+        key = chunk_key(fingerprint, request.namespace, ids[a:b])
+        slots.append(ChunkSlot(key=key, label=f"prompt[{a}:{b}]", token_ids=ids[a:b], start=a))
+    cut = slots[-1].end if slots else 0
+    return PromptLayout(
+        prefix_key=prefix_key(fingerprint, request.namespace, ()),
+        prefix_ids=(),
+        chunks=tuple(slots),
+        question_ids=ids[cut:],
+    )
+
+
 def build_layout(
     request: RagRequest, tokenizer: Any, fingerprint: str, max_tokens: int | None = None
 ) -> PromptLayout:
     """The request's prompt layout with chunk and prefix keys; checks the context length."""
+    layout = (
+        _raw_layout(request, tokenizer, fingerprint)
+        if request.raw
+        else _chat_layout(request, tokenizer, fingerprint)
+    )
+    if max_tokens is not None and layout.num_tokens > max_tokens:
+        raise ContextLengthError(layout.num_tokens, max_tokens)
+    return layout
+
+
+def _chat_layout(request: RagRequest, tokenizer: Any, fingerprint: str) -> PromptLayout:
+    """[system prompt and template head][chunks][question and template tail]."""
     parts = template_parts(tokenizer, request.system, bool(request.system_chunks))
     prefix_ids = _encode(tokenizer, parts.head)
     slots: list[ChunkSlot] = []
@@ -100,11 +141,10 @@ def build_layout(
 
     def lend(ids: tuple[int, ...], label: str) -> int:
         """Slots for the leading blocks of a question's `ids`; how many tokens they took."""
-        cut = 0
-        while len(ids) - cut >= QUESTION_BLOCK + QUESTION_KEEP:
-            add(ids[cut : cut + QUESTION_BLOCK], f"{label}[{cut}:{cut + QUESTION_BLOCK}]")
-            cut += QUESTION_BLOCK
-        return cut
+        blocks = _blocks(len(ids))
+        for a, b in blocks:
+            add(ids[a:b], f"{label}[{a}:{b}]")
+        return blocks[-1][1] if blocks else 0
 
     for chunk in request.chunks:
         if chunk.as_question:  # the blocks it lent as the question, then the rest
@@ -115,12 +155,9 @@ def build_layout(
             add(_encode(tokenizer, chunk.text + CHUNK_SEPARATOR), chunk.id)
     question_ids = _encode(tokenizer, question_text(request.question) + parts.tail)
     question_ids = question_ids[lend(question_ids, "question") :]
-    layout = PromptLayout(
+    return PromptLayout(
         prefix_key=prefix_key(fingerprint, request.namespace, prefix_ids),
         prefix_ids=prefix_ids,
         chunks=tuple(slots),
         question_ids=question_ids,
     )
-    if max_tokens is not None and layout.num_tokens > max_tokens:
-        raise ContextLengthError(layout.num_tokens, max_tokens)
-    return layout
