@@ -297,7 +297,7 @@ def test_unsupported_or_invalid_chat_fields_are_named(srv: Served, field: str, v
 
 
 @pytest.mark.parametrize(
-    "field, value", [("echo", True), ("best_of", 2), ("suffix", "end"), ("logprobs", 21)]
+    "field, value", [("best_of", 2), ("suffix", "end"), ("logprobs", 21), ("tools", [{}])]
 )
 def test_unsupported_completion_fields_are_named(srv: Served, field: str, value: Any) -> None:
     body = {"model": "cachecraft", "prompt": "p", "max_tokens": 2, field: value}

@@ -2,7 +2,7 @@
 store it is given (the one the engine's runner was built with) and never reaches into the engine.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{model}), /v1/chunks
-(POST, GET, DELETE), /health, /metrics. Every error, the framework's included, has OpenAI's
+(POST, GET, DELETE), vLLM's /tokenize, /detokenize and /tokenizer_info, /health, /metrics. Every error, the framework's included, has OpenAI's
 shape: 400 bad input (unsupported fields named), 401 bad key, 404 unknown model, chunk or route,
 405 wrong method, 413 body or text over a cap, 429 queue full (Retry-After), 503 engine stopped,
 server shutting down or (DELETE) Redis unreachable, 500 anything else (and the connection stays
@@ -13,6 +13,8 @@ answers 503 when the step thread is dead or stuck.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -317,8 +319,11 @@ def create_app(
                 bad[0],
             )
         if isinstance(body, CompletionRequest):
-            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-            texts = [("prompt", p) for p in prompts]
+            prompts = body.prompts()
+            texts = [("prompt", p) for p in prompts if isinstance(p, str)]
+            for p in prompts:
+                if not isinstance(p, str):
+                    check_vocabulary("prompt", p)
         else:
             texts = [("messages", m.text()) for m in body.messages]
         num_chars = sum(len(t) for _, t in texts)
@@ -399,6 +404,17 @@ def create_app(
         check_vocabulary("logit_bias", [t for t, _ in sampling.logit_bias])
         check_vocabulary("stop_token_ids", sampling.stop_token_ids)
         layouts = [await tokenized(rag) for rag in rags]
+        echoes: list[str | None] = [None] * len(rags)
+        hide = False  # `max_tokens: 0` with echo: one token is made, none shown
+        if isinstance(body, CompletionRequest) and body.echo:
+            tokenizer = loaded.tokenizer
+            echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts()]
+            hide = body.max_tokens == 0
+            sampling = dataclasses.replace(
+                sampling,
+                prompt_logprobs=sampling.logprobs,
+                max_tokens=1 if hide else sampling.max_tokens,
+            )
         loop = asyncio.get_running_loop()
         chat = isinstance(body, ChatCompletionRequest)
         n = body.n or 1
@@ -420,6 +436,8 @@ def create_app(
                             sampling.stop,
                             index,
                             logprobs=sampling.logprobs is not None,
+                            echo=echoes[p],
+                            hide_output=hide,
                         )
                     )
             for gen in gens:
@@ -472,7 +490,8 @@ def create_app(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, ns: str = Depends(namespace)) -> dict[str, Any]:
         """The prompt a chat or completion request would prefill (template, chunks, question),
-        as token ids; its length is what `usage.prompt_tokens` will say."""
+        as token ids; its length is what `usage.prompt_tokens` will say. With raw completions
+        a `prompt` is tokenized as vLLM does (`add_special_tokens` honoured)."""
         check_documents(body.documents)
         if body.messages is not None:
             as_request: ChatCompletionRequest | CompletionRequest = ChatCompletionRequest(
@@ -481,10 +500,39 @@ def create_app(
         else:
             as_request = CompletionRequest(prompt=body.prompt, documents=body.documents)
         check_fields(as_request)
-        layout = await tokenized(to_rags(as_request, ns, config)[0])
-        ids = list(layout.token_ids)
+        if body.prompt is not None and config.raw_completions:
+            encode = functools.partial(
+                loaded.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
+            )
+            loop = asyncio.get_running_loop()
+            ids = list((await loop.run_in_executor(state.tokenize, encode))["input_ids"])
+        else:
+            ids = list((await tokenized(to_rags(as_request, ns, config)[0])).token_ids)
         strs = [loaded.tokenizer.decode([t]) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_ctx, "tokens": ids, "token_strs": strs}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(_: str = Depends(namespace)) -> dict[str, Any]:
+        """vLLM's: what a client needs to tokenize (and template) as this server does, so it
+        is served only when completions are raw (`--raw-completions`): an evaluation harness
+        that finds it tokenizes through `/tokenize` and sends token ids."""
+        if not config.raw_completions:
+            raise ApiError(
+                404,
+                "/tokenizer_info is served with --raw-completions (completion prompts read as "
+                "given); without it a completion's text prompt is a chat turn",
+                "invalid_request_error",
+            )
+        t = loaded.tokenizer
+        return {
+            "tokenizer_class": type(t).__name__,
+            "eos_token": t.eos_token,
+            "bos_token": t.bos_token,
+            "pad_token": t.pad_token,
+            "unk_token": t.unk_token,
+            "chat_template": getattr(t, "chat_template", None),
+            "model_max_length": max_ctx,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, _: str = Depends(namespace)) -> dict[str, Any]:

@@ -122,6 +122,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "after lines this long, a paragraph this long closing a chunk (0: never)",
     )
     p.add_argument(
+        "--raw-completions",
+        action="store_true",
+        help="read every /v1/completions prompt as given, as vLLM does (no chat template, no "
+        "chunk-caches; for evaluation harnesses); token-id prompts and echo are raw anyway",
+    )
+    p.add_argument(
         "--max-request-bytes",
         type=int,
         default=server.max_request_bytes,
@@ -175,6 +181,7 @@ def main_serve(args: argparse.Namespace) -> int:
             max_document_chars=args.max_document_chars,
             max_prompt_chars=args.max_prompt_chars,
             pasted_chunk_chars=args.pasted_chunk_chars,
+            raw_completions=args.raw_completions,
             max_request_bytes=args.max_request_bytes,
             watchdog_s=args.watchdog_s,
             metrics_public=args.metrics_public,

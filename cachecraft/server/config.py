@@ -39,6 +39,11 @@ class ServerConfig:
     """Greedy unless a request asks for sampling (OpenAI's default would be 1.0)."""
     model_aliases: tuple[str, ...] = ("cachecraft",)
     retry_after_s: int = 1
+    raw_completions: bool = False
+    """Every completion prompt is read as given, as vLLM reads it (a plain language model
+    continues the text; no chat template, no chunks), and `/tokenize` of a prompt and
+    `/tokenizer_info` follow. Off: a text prompt is a chat turn (its pasted context
+    chunk-caches); token-id prompts and `echo` are raw either way."""
 
     def __post_init__(self) -> None:
         if self.max_documents < 0 or self.max_document_chars < 1:

@@ -17,7 +17,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cachecraft.engine.handle import Failed, Finished, Planned, RequestHandle, Token
+from cachecraft.engine.handle import (
+    Failed,
+    Finished,
+    Planned,
+    PromptLogprobs,
+    RequestHandle,
+    Token,
+)
 from cachecraft.engine.report import RequestReport
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.engine.text import TextStream
@@ -50,9 +57,9 @@ def to_rag(
     question."""
     config = config or ServerConfig()
     if isinstance(body, CompletionRequest):
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        prompts = body.prompts()
         if len(prompts) != 1:
-            raise BadRequestError("prompt: give one string here (to_rags takes a list of them)")
+            raise BadRequestError("prompt: give one prompt here (to_rags takes a list of them)")
         return _completion_rag(prompts[0], body, namespace, config)
     split = config.pasted_chunk_chars, config.max_document_chars
     chunks = _chunks(body.documents)
@@ -88,18 +95,31 @@ def to_rags(
 ) -> list[RagRequest]:
     """One RagRequest per prompt (`to_rag`): a completion may send a list of prompts (OpenAI's
     batched prompts, as LangChain's completion model sends them), each with the documents."""
-    if isinstance(body, ChatCompletionRequest) or isinstance(body.prompt, str):
+    if isinstance(body, ChatCompletionRequest):
         return [to_rag(body, namespace, config)]
-    if not body.prompt:
-        raise BadRequestError("prompt: give at least one string")
     config = config or ServerConfig()
-    return [_completion_rag(p, body, namespace, config) for p in body.prompt]
+    return [_completion_rag(p, body, namespace, config) for p in body.prompts()]
+
+
+def is_raw(body: CompletionRequest, prompt: str | list[int], config: ServerConfig) -> bool:
+    """Whether this completion prompt is read as given (no template, no chunks)."""
+    return not isinstance(prompt, str) or body.echo or config.raw_completions
 
 
 def _completion_rag(
-    prompt: str, body: CompletionRequest, namespace: str, config: ServerConfig
+    prompt: str | list[int], body: CompletionRequest, namespace: str, config: ServerConfig
 ) -> RagRequest:
-    """One completion prompt: the documents, then the context pasted into it, as chunks."""
+    """One completion prompt: read as given when raw (`is_raw`), else the documents, then the
+    context pasted into it, as chunks."""
+    if is_raw(body, prompt, config):
+        if body.documents:
+            raise BadRequestError(
+                "documents: a prompt read as given (token ids, echo or --raw-completions) "
+                "takes no documents; put them in the prompt"
+            )
+        if isinstance(prompt, str):
+            return RagRequest(prompt, namespace=namespace, raw=True)
+        return RagRequest("", namespace=namespace, prompt_ids=prompt)
     split = config.pasted_chunk_chars, config.max_document_chars
     pasted, question = pasted_chunks(prompt, "prompt", *split)
     return RagRequest(question, _chunks(body.documents) + pasted, namespace=namespace)
@@ -153,11 +173,19 @@ class Generation:
         stops: tuple[str, ...] = (),
         index: int = 0,
         logprobs: bool = False,
+        echo: str | None = None,
+        hide_output: bool = False,
     ) -> None:
         self.state = app_state
         self.index = index
         self.logprobs: list[Entry] | None = [] if logprobs else None
-        """(token, TokenLogprobs) of each shown token, when the request asked for them."""
+        """(token, TokenLogprobs) of each shown token, when the request asked for them (with
+        `echo`, the prompt's tokens first, the first one's None)."""
+        self.echo = echo
+        """A completion's `echo`: this text (the prompt) goes before the answer."""
+        self.hide_output = hide_output
+        """`max_tokens: 0` with echo: the one token the engine makes is not shown or counted."""
+        self._echoed = ""
         self._sent_logprobs = 0  # entries already in a streamed chunk
         self._sent_chars = 0  # text already in one (a completion's `text_offset`)
         self.namespace = namespace
@@ -187,7 +215,16 @@ class Generation:
         is held back inside a multi-byte character or a possible stop string)."""
         while True:
             event = await self.handle.next_event()
+            if isinstance(event, PromptLogprobs):
+                if self.logprobs is not None:
+                    self.logprobs += zip(event.token_ids, [None, *event.entries], strict=True)
+                continue
+            if self.echo is not None and isinstance(event, Token | Finished):
+                self._echoed, self.echo = self.echo, None
+                yield self._echoed, self._num_logprobs()
             if isinstance(event, Token):
+                if self.hide_output:
+                    continue
                 if self.text.stopped:
                     continue  # sampled before the engine heard of the stop string
                 self.num_output += 1
@@ -209,6 +246,10 @@ class Generation:
                 return
             elif isinstance(event, Failed):
                 raise event.error
+
+    def final_text(self) -> str:
+        """The choice's whole text: the echoed prompt, if any, then the answer."""
+        return self._echoed + self.text.final_text()
 
     def _done(self) -> None:
         m = self.state.metrics
@@ -321,7 +362,7 @@ async def respond(
 async def _collect(gen: Generation) -> str:
     async for _ in gen.deltas():
         pass
-    return gen.text.final_text()
+    return gen.final_text()
 
 
 async def _pump(gen: Generation, out: asyncio.Queue[tuple[Generation, Any]]) -> None:

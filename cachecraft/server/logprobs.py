@@ -1,7 +1,8 @@
 """Log-probabilities in OpenAI's two response shapes: a chat choice's `logprobs.content` and a
 completion choice's `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`.
 
-Each entry is a sampled token and its `TokenLogprobs` (engine/sampling.py); a token's text is
+Each entry is a token and its `TokenLogprobs` (engine/sampling.py; None for an echoed
+prompt's first token, which nothing comes before: null in the response); a token's text is
 what the tokenizer decodes it to alone (a piece of a multi-byte character shows as U+FFFD, as
 vLLM shows it), its `bytes` that text's UTF-8.
 """
@@ -12,7 +13,7 @@ from typing import Any
 
 from cachecraft.engine.sampling import TokenLogprobs
 
-Entry = tuple[int, TokenLogprobs]
+Entry = tuple[int, TokenLogprobs | None]
 
 
 def _text(tokenizer: Any, token_id: int) -> str:
@@ -28,6 +29,7 @@ def chat_logprobs(tokenizer: Any, entries: list[Entry]) -> dict[str, Any]:
     """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
     content = []
     for token_id, lp in entries:
+        assert lp is not None  # a chat has no echo
         item = _item(tokenizer, token_id, lp.logprob)
         item["top_logprobs"] = [_item(tokenizer, t, v) for t, v in lp.top]
         content.append(item)
@@ -43,7 +45,9 @@ def completion_logprobs(tokenizer: Any, entries: list[Entry], offset: int) -> di
         offset += len(tokens[-1])
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for _, lp in entries],
-        "top_logprobs": [{_text(tokenizer, t): v for t, v in lp.top} for _, lp in entries],
+        "token_logprobs": [None if lp is None else lp.logprob for _, lp in entries],
+        "top_logprobs": [
+            None if lp is None else {_text(tokenizer, t): v for t, v in lp.top} for _, lp in entries
+        ],
         "text_offset": offsets,
     }

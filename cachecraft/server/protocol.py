@@ -1,9 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic) plus our extensions.
 
 Unknown fields are accepted and ignored (extra="allow"), except the OpenAI fields this server
-cannot honour (`unsupported_fields`: tools, response_format, echo, ...), which are refused
-by name as vLLM does, and input it cannot read (non-text content parts, token-id prompts),
-refused with what to send instead. `model` may be left out (the served model), as in vLLM.
+cannot honour (`unsupported_fields`: tools, response_format, ...), which are refused
+by name as vLLM does, and input it cannot read (non-text content parts), refused with what to
+send instead. `model` may be left out (the served model), as in vLLM.
 Every string must be encodable UTF-8 (no lone surrogates such as "\\ud800"). Extensions:
 `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens` and `stop_token_ids`.
@@ -189,20 +189,57 @@ class ChatCompletionRequest(_Generation):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+MAX_PROMPT_IDS = 1 << 20
+
+
 class CompletionRequest(_Generation):
-    prompt: StrictStr | list[StrictStr]
+    """`prompt`: text, token ids, or a list of either (batched prompts). Token ids, and any
+    prompt with `echo`, are read as given (raw: no chat template); `echo` puts the prompt
+    before the answer (with `logprobs`, each prompt token's entry first, the first one null),
+    and then `max_tokens` may be 0 (the prompt alone, as a scoring client asks)."""
+
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=2**31)
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _text_prompt(cls, v: Any) -> Any:
-        """Token-id prompts ([1, 2, 3] or [[1, 2], ...]) are named, not failed as strings."""
-        if isinstance(v, list) and v and all(isinstance(x, int | list) for x in v):
-            raise ValueError("token-id prompts are not supported: send the prompt as text")
+    def _one_kind(cls, v: Any) -> Any:
+        """A list is all strings, all token ids or all lists of ids (named when mixed), and
+        holds at most MAX_PROMPT_IDS ids in all; every prompt holds something."""
+        if not isinstance(v, list):
+            return v
+        if not v:
+            raise ValueError("give at least one prompt (a string or token ids)")
+        kinds = {type(x) for x in v}
+        if len(kinds) > 1:
+            raise ValueError("give a list of strings, of token ids or of token-id lists, not a mix")
+        if list in kinds:
+            if any(not x for x in v):
+                raise ValueError("a token-id prompt is empty")
+            if sum(len(x) for x in v) > MAX_PROMPT_IDS:
+                raise ValueError(f"at most {MAX_PROMPT_IDS} token ids in all")
+        elif int in kinds and len(v) > MAX_PROMPT_IDS:
+            raise ValueError(f"at most {MAX_PROMPT_IDS} token ids in all")
         return v
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 asks for no answer; only with echo (the prompt alone)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class TokenizeRequest(_Lenient):
@@ -214,6 +251,8 @@ class TokenizeRequest(_Lenient):
     messages: list[Message] | None = Field(default=None, min_length=1)
     documents: list[Document] = Field(default_factory=list)
     return_token_strs: StrictBool = False
+    add_special_tokens: StrictBool = True
+    """vLLM's, for a raw `prompt` (`--raw-completions`): the tokenizer's own special tokens."""
 
     @model_validator(mode="after")
     def _one_of(self) -> TokenizeRequest:
@@ -241,7 +280,7 @@ class ChunksRequest(BaseModel):
 
 # OpenAI fields this server cannot honour, with the values that mean "not asked for".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
+    "echo": (None, False),  # chat only: a completion's `echo` is a field of its own
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
