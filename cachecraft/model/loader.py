@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from cachecraft.env import cache_home, torch_threads
 from cachecraft.errors import ModelLoadError
 from cachecraft.model.arch import ModelArch
+from cachecraft.model.linear import can_pack
 from cachecraft.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,15 @@ def load_model(
         raise ModelLoadError(f"unknown device {device!r} ({e})") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} asked for but CUDA is not available")
+    if (
+        dtype == "bfloat16"
+        and device == "cpu"
+        and not can_pack(torch.bfloat16, torch.device(device))
+    ):
+        log.warning(
+            "bfloat16 on a CPU without native bfloat16 products (no AMX or AVX512-BF16): "
+            "they are emulated, several times slower than float32 (the default)"
+        )
     with torch_threads(1):  # no OpenMP workers left behind on this thread (cachecraft/env.py)
         directory = resolve_model_dir(spec, cache_dir)
         return _load(spec, directory, dtype, device)
