@@ -77,6 +77,8 @@ def test_echo_with_logprobs_scores_the_prompt(small: LoadedModel) -> None:
             assert sum(lp["token_logprobs"][len(ctx) : -1]) == pytest.approx(
                 sum(w.logprob for w in want[len(ctx) - 1 :]), abs=1e-3
             )
+        nullable = post(s.url, {"prompt": "Hi", "echo": None, "max_tokens": 1}).json()
+        assert not nullable["choices"][0]["text"].startswith("Hi")  # null: no echo
         alone = post(s.url, {"prompt": TEXT, "echo": True, "max_tokens": 0, "logprobs": 0}).json()
         choice = alone["choices"][0]
         assert choice["text"] == TEXT and choice["finish_reason"] == "length"
@@ -143,6 +145,9 @@ def test_bad_raw_prompts_are_named(small: LoadedModel) -> None:
         assert "echo" in err["message"]
         docs = [{"text": "A passage."}]
         err = openai_error(post(s.url, {"prompt": [5, 6], "documents": docs}), 400)
+        assert "documents" in err["message"]
+    with serving(small, ServerConfig(raw_completions=True)) as s:
+        err = openai_error(post(s.url, {"prompt": "Hi", "documents": docs}, "/tokenize"), 400)
         assert "documents" in err["message"]
         chat = {"messages": [{"role": "user", "content": "Hi"}], "echo": True}
         err = openai_error(post(s.url, chat, "/v1/chat/completions"), 400)

@@ -2,12 +2,13 @@
 store it is given (the one the engine's runner was built with) and never reaches into the engine.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{model}), /v1/chunks
-(POST, GET, DELETE), vLLM's /tokenize, /detokenize and /tokenizer_info, /health, /metrics. Every error, the framework's included, has OpenAI's
-shape: 400 bad input (unsupported fields named), 401 bad key, 404 unknown model, chunk or route,
-405 wrong method, 413 body or text over a cap, 429 queue full (Retry-After), 503 engine stopped,
-server shutting down or (DELETE) Redis unreachable, 500 anything else (and the connection stays
-open). Prompts are tokenized on a worker thread, never on the engine's step thread; /health
-answers 503 when the step thread is dead or stuck.
+(POST, GET, DELETE), vLLM's /tokenize, /detokenize and /tokenizer_info, /health, /metrics.
+Every error, the framework's included, has OpenAI's shape: 400 bad input (unsupported fields
+named), 401 bad key, 404 unknown model, chunk or route, 405 wrong method, 413 body or text over
+a cap, 429 queue full (Retry-After), 503 engine stopped, server shutting down or (DELETE) Redis
+unreachable, 500 anything else (and the connection stays open). Prompts are tokenized on a
+worker thread, never on the engine's step thread; /health answers 503 when the step thread is
+dead or stuck.
 """
 
 from __future__ import annotations
@@ -500,6 +501,7 @@ def create_app(
         else:
             as_request = CompletionRequest(prompt=body.prompt, documents=body.documents)
         check_fields(as_request)
+        rag = to_rags(as_request, ns, config)[0]  # a raw prompt with documents: a 400 here
         if body.prompt is not None and config.raw_completions:
             encode = functools.partial(
                 loaded.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
@@ -507,7 +509,7 @@ def create_app(
             loop = asyncio.get_running_loop()
             ids = list((await loop.run_in_executor(state.tokenize, encode))["input_ids"])
         else:
-            ids = list((await tokenized(to_rags(as_request, ns, config)[0])).token_ids)
+            ids = list((await tokenized(rag)).token_ids)
         strs = [loaded.tokenizer.decode([t]) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_ctx, "tokens": ids, "token_strs": strs}
 

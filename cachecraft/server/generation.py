@@ -101,17 +101,12 @@ def to_rags(
     return [_completion_rag(p, body, namespace, config) for p in body.prompts()]
 
 
-def is_raw(body: CompletionRequest, prompt: str | list[int], config: ServerConfig) -> bool:
-    """Whether this completion prompt is read as given (no template, no chunks)."""
-    return not isinstance(prompt, str) or body.echo or config.raw_completions
-
-
 def _completion_rag(
     prompt: str | list[int], body: CompletionRequest, namespace: str, config: ServerConfig
 ) -> RagRequest:
-    """One completion prompt: read as given when raw (`is_raw`), else the documents, then the
-    context pasted into it, as chunks."""
-    if is_raw(body, prompt, config):
+    """One completion prompt: read as given (token ids, `echo`, `raw_completions`: no template,
+    no chunks), else the documents, then the context pasted into it, as chunks."""
+    if not isinstance(prompt, str) or body.echo or config.raw_completions:
         if body.documents:
             raise BadRequestError(
                 "documents: a prompt read as given (token ids, echo or --raw-completions) "

@@ -219,14 +219,17 @@ class CompletionRequest(_Generation):
         kinds = {type(x) for x in v}
         if len(kinds) > 1:
             raise ValueError("give a list of strings, of token ids or of token-id lists, not a mix")
-        if list in kinds:
-            if any(not x for x in v):
-                raise ValueError("a token-id prompt is empty")
-            if sum(len(x) for x in v) > MAX_PROMPT_IDS:
-                raise ValueError(f"at most {MAX_PROMPT_IDS} token ids in all")
-        elif int in kinds and len(v) > MAX_PROMPT_IDS:
+        if list in kinds and any(not x for x in v):
+            raise ValueError("a token-id prompt is empty")
+        num_ids = sum(len(x) for x in v) if list in kinds else len(v) if int in kinds else 0
+        if num_ids > MAX_PROMPT_IDS:
             raise ValueError(f"at most {MAX_PROMPT_IDS} token ids in all")
         return v
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_is_false(cls, v: Any) -> Any:
+        return False if v is None else v  # nullable in OpenAI's schema
 
     @model_validator(mode="after")
     def _zero_tokens_need_echo(self) -> CompletionRequest:
