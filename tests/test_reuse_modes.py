@@ -224,7 +224,7 @@ def test_probe_check_makes_candidates_weighted_by_question_attention() -> None:
     assert a.recompute == (0, 3) and b.recompute == (1, 2, 3, 4)
     assert a.reason == "cfo+global+check"
     check = r.deviation
-    assert check is not None and check.total == total and check.layer == 1
+    assert check is not None and check.total == total and check.layer == 3  # the default
     assert check.weights == (None, (0.9, 0.8), (0.7, 0.2, 0.3, 0.6))
     assert r.num_rows == 6 + 6 + 2 and len(r.rows()) == r.num_rows  # X, candidates, question
     assert sum(c.num_recompute for c in r.chunks[1:]) == total  # what goes on past the check
@@ -305,9 +305,16 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
     assert (a.select, a.recompute, a.reason) == ("deviation", (0, 1, 2, 3), "cfo+check")
     assert p.deviation is not None and p.deviation.weights is None  # CacheBlend's rank
     assert p.deviation.total == 2 + 2 == a.budget  # the budget plus the probe's rows
-    assert p.deviation.layer == 1 and p.is_resolved
+    assert p.deviation.layer == 3 and p.is_resolved  # the default
     assert p.deviation.sink == 4  # each chunk's first tokens first, as the probe ranks them
     assert p.num_rows == 6 + 4 + 2  # X, every A token to the check layer, the question
+    # a shallow model checks below its top layer, where a check could still stop candidates
+    for num_layers, want in ((4, 2), (3, 1), (1, 0)):
+        shallow = plan_request(lay, variants, "cachecraft", ReuseConfig(), num_layers, None)
+        assert shallow.probe is not None and shallow.probe.check_layer == want
+        cheap = ReuseConfig(probe_max_cost=0.5)
+        shallow = plan_request(lay, variants, "cachecraft", cheap, num_layers, None)
+        assert shallow.deviation is not None and shallow.deviation.layer == want
     # Without the prefix cache the probe would also run the 3 prefix rows: 5 > 2 x 1.0.
     miss = plan_request(lay, variants, "cachecraft", ReuseConfig(), 30, None, False)
     assert miss.probe is None and miss.deviation is not None

@@ -64,7 +64,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-no-check": {"probe_check": 0.0},
     "cachecraft-check-deviation": {"probe_check_score": "deviation"},
     "cachecraft-check-all": {"probe_check": 1000.0},
-    "cachecraft-check-layer3": {"probe_check_layer": 3},
+    "cachecraft-check-layer1": {"probe_check_layer": 1},
     "cachecraft-chunk": {"probe_split": "chunk"},
     "cachecraft-blend": {"probe_blend": 1.0},
     "cachecraft-late-layers": {"probe_first_layer": 10},

@@ -249,10 +249,9 @@ def _probe(
 ) -> ProbeCheck:
     """The probe of a plan; `sink`: each probed chunk's first tokens lifted in the ranking."""
     c = inp.config
-    top = inp.num_layers - 1
     last = probe_last_layer(c, inp.num_layers)
     first = min(max(c.probe_first_layer, 0), last)
-    check_layer = min(max(c.probe_check_layer, 0), top)
+    check_layer = _check_layer(c, inp.num_layers)
     return ProbeCheck(
         total,
         split,  # type: ignore[arg-type]
@@ -330,9 +329,14 @@ def _check_instead_of_probe(
         for i, c in enumerate(chunks)
     ]
     config = inp.config
-    layer = min(max(config.probe_check_layer, 0), inp.num_layers - 1)
-    check = DeviationCheck(layer, spend, sink=config.probe_sink)
+    check = DeviationCheck(_check_layer(config, inp.num_layers), spend, sink=config.probe_sink)
     return _plan(inp, "cachecraft", out, deviation=check)
+
+
+def _check_layer(config: ReuseConfig, num_layers: int) -> int:
+    """The check's layer: probe_check_layer, but below the top one (a check there could stop
+    no candidate), so a shallow model checks at its next-to-last layer."""
+    return min(max(config.probe_check_layer, 0), max(num_layers - 2, 0))
 
 
 def probe_cost(
