@@ -76,10 +76,10 @@ class ReuseConfig:
     attention (probe_check_score), keep going; 0: the probe's ranking alone decides."""
     probe_check_layer: int = 3
     """The layer whose fresh-minus-cached K/V the check measures (the candidates run through
-    layers 0..probe_check_layer). 3, not CacheBlend's 1: on three workloads (wiki-qa, permuted
-    chunks, chat history as chunks) the deviation measured two layers deeper picked better
-    tokens at the same computed tokens (paired TF-KL CIs excluding 0 on all three), for
-    0.7-2.7% more of the prompt's FLOPs (ablation `cachecraft-check-layer1`)."""
+    layers 0..probe_check_layer). 3, not CacheBlend's 1: on four workloads (wiki-qa, synthetic,
+    permuted chunks, chat history as chunks) the deviation measured two layers deeper picked
+    better tokens at the same computed tokens (paired TF-KL CIs excluding 0 on all four), for
+    0.7-3.4% more of the prompt's FLOPs (ablation `cachecraft-check-layer1`)."""
     probe_sink: int = 4
     """cachecraft: the first probe_sink tokens of every probed chunk rank above all others in
     the probe's ranking (a chunk's first tokens stood at its start when it was cached: its own
