@@ -149,7 +149,8 @@ class _Live:
     prompt_hash: int | None = None
     """Its prompt's hash, remembered once its prefill is done (`cachecraft` mode only)."""
     prompt_ids: tuple[int, ...] = ()
-    """Its prompt's token ids, kept only for a repetition penalty (read at every token)."""
+    """Its prompt's token ids, kept only for a repetition penalty (read at every token) or
+    prompt log-probabilities."""
     prompt_entries: list[TokenLogprobs] = field(default_factory=list)
     """Prompt log-probabilities of the rows computed so far (`SamplingParams.prompt_logprobs`)."""
 
@@ -484,7 +485,7 @@ class Engine:
         the last row's logits stay (the next token's, once the last piece is in). `start`: the
         piece's first row (a prefill run again whole after a failed step starts at 0)."""
         assert live.job is not None and live.plan is not None
-        ids = live.plan.layout.token_ids
+        ids = live.prompt_ids
         m = result.logits.shape[0]
         start = 0 if m == len(live.job.rows) else start
         if start == 0:
@@ -654,7 +655,7 @@ class Engine:
         try:
             live.layout = live.layout or self.runner.layout(live.request)
             ids = live.layout.token_ids  # built once (a property that joins the slots)
-            if live.sampling.repetition_penalty != 1:
+            if live.sampling.repetition_penalty != 1 or live.sampling.prompt_logprobs is not None:
                 live.prompt_ids = ids
             if live.mode == "cachecraft":
                 live.prompt_hash = hash(ids)
@@ -767,8 +768,7 @@ class Engine:
                     outcomes.append(outcome)
                 self.scheduler.prefilled(rid)
                 if live.sampling.prompt_logprobs is not None:
-                    ids = live.plan.layout.token_ids
-                    live.handle.push(PromptLogprobs(ids, live.prompt_entries))
+                    live.handle.push(PromptLogprobs(live.prompt_ids, live.prompt_entries))
                 logits = outcome.first_logits
             else:
                 logits = result.logits[0]

@@ -137,12 +137,7 @@ class TokenLogprobs(NamedTuple):
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     """logits [vocab] -> the log-softmax at `token` and its top `k` (non-finite logits give
     -inf / nan log-probabilities, never an error)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    top = torch.topk(logp, k) if k else None
-    pairs = (
-        () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-    )
-    return TokenLogprobs(float(logp[token]), pairs)
+    return prompt_token_logprobs(logits[None], torch.tensor([token]), k)[0]
 
 
 def prompt_token_logprobs(

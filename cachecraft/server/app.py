@@ -408,8 +408,14 @@ def create_app(
         echoes: list[str | None] = [None] * len(rags)
         hide = False  # `max_tokens: 0` with echo: one token is made, none shown
         if isinstance(body, CompletionRequest) and body.echo:
-            tokenizer = loaded.tokenizer
-            echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts()]
+            loop = asyncio.get_running_loop()
+            for i, p in enumerate(body.prompts()):  # token ids decoded off the event loop
+                decode = loaded.tokenizer.decode
+                echoes[i] = (
+                    p
+                    if isinstance(p, str)
+                    else await loop.run_in_executor(state.tokenize, decode, p)
+                )
             hide = body.max_tokens == 0
             sampling = dataclasses.replace(
                 sampling,
