@@ -349,8 +349,8 @@ def run_serve_bench(
     generate exactly `max_tokens`, so latencies compare prefill work, not answer lengths.
     `client`: how our servers get each request's passages (`trace.CLIENTS`: the documents
     field, or pasted into the user or the system message); vLLM the same prompt tokens.
-    `peer_server` replaces the vLLM launcher (tests). `dtype` is vLLM's (our servers take theirs from `server_factory`: `cachecraft
-    bench serve --dtype` passes the same to both)."""
+    `peer_server` replaces the vLLM launcher (tests). `dtype` is vLLM's (our servers take
+    theirs from `server_factory`: `cachecraft bench serve --dtype` passes the same to both)."""
     if not rates or any(r <= 0 for r in rates):
         raise CachecraftError(f"rates must be positive, got {list(rates)}")
     if max_runs < 1:
