@@ -17,3 +17,12 @@ def test_a_cut_multibyte_character_is_dropped_not_replaced(tiny: LoadedModel) ->
     assert stream.final_text() == "Answer:"
     whole = TextStream(tok)
     assert "".join(whole.add(i) for i in ids) + whole.flush() == "Answer: 龘"
+
+
+def test_include_stop_keeps_the_earliest_stop_string(tiny: LoadedModel) -> None:
+    tok = tiny.tokenizer
+    ids = tok("one two. three", add_special_tokens=False)["input_ids"]
+    for include, want in ((False, "one two"), (True, "one two.")):
+        stream = TextStream(tok, (". ", "three", "."), include_stop=include)
+        shown = "".join(stream.add(i) for i in ids) + stream.flush()
+        assert stream.stopped and shown == want and stream.final_text() == want

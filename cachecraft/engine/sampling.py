@@ -126,12 +126,14 @@ class SamplingParams:
 
 
 class TokenLogprobs(NamedTuple):
-    """A sampled token's log-probability and the `k` most likely tokens' (ids, most likely
-    first), under the model's own distribution (before penalties, temperature, top-k/p and
-    min-p, as vLLM reports them)."""
+    """A sampled token's log-probability, its rank in the vocabulary (1: the most likely;
+    ties share the better rank) and the `k` most likely tokens' (ids, most likely first),
+    under the model's own distribution (before penalties, temperature, top-k/p and min-p, as
+    vLLM reports them)."""
 
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int = 1
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -147,14 +149,16 @@ def prompt_token_logprobs(
     and tokens [m] (the token that came next in each row) -> one `TokenLogprobs` per row, as
     `token_logprobs` gives for one."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, tokens.long()[:, None])[:, 0].tolist()
+    chosen = logp.gather(1, tokens.long()[:, None])
+    ranks = (1 + (logp > chosen).sum(dim=-1)).tolist()
+    values = chosen[:, 0].tolist()
     if not k:
-        return [TokenLogprobs(v, ()) for v in chosen]
+        return [TokenLogprobs(v, (), r) for v, r in zip(values, ranks, strict=True)]
     top = torch.topk(logp, k, dim=-1)
-    ids, values = top.indices.tolist(), top.values.tolist()
+    tops = zip(top.indices.tolist(), top.values.tolist(), strict=True)
     return [
-        TokenLogprobs(v, tuple(zip(i, t, strict=True)))
-        for v, i, t in zip(chosen, ids, values, strict=True)
+        TokenLogprobs(v, tuple(zip(i, t, strict=True)), r)
+        for v, r, (i, t) in zip(values, ranks, tops, strict=True)
     ]
 
 

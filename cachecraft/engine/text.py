@@ -1,7 +1,8 @@
 """TextStream: incremental detokenization with stop strings (the server and `answer` share it).
 
-A stop string ends the answer just before its first occurrence; text that could still turn
-into one is held back until it cannot, so a streamed answer never shows part of a stop string.
+A stop string ends the answer just before its first occurrence (or right after it, with
+`include_stop`: vLLM's `include_stop_str_in_output`); text that could still turn into one is
+held back until it cannot, so a streamed answer never shows part of a stop string.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ class TextStream:
     ends inside a multi-byte character or with the start of a stop string; once a stop string
     appears the text ends before it (`stopped`) and later tokens are ignored."""
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, stops: tuple[str, ...] = (), include_stop: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
+        self.include_stop = include_stop
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
@@ -28,9 +32,10 @@ class TextStream:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
         if text.endswith("\ufffd"):
             return ""
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped, text = True, text[:cut]
+        found = [(i, -len(s)) for s in self.stops if (i := text.find(s)) >= 0]
+        if found:  # the earliest stop string; of two there, the longer
+            cut, minus_len = min(found)
+            self.stopped, text = True, text[: cut - minus_len if self.include_stop else cut]
         else:
             text = text[: len(text) - self._held(text)]
         if len(text) <= len(self.sent):
@@ -63,5 +68,5 @@ class TextStream:
 
     def final_text(self) -> str:
         if self.stopped:
-            return self.sent.rstrip()
+            return self.sent if self.include_stop else self.sent.rstrip()
         return self._final().strip()

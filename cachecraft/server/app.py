@@ -304,6 +304,14 @@ def create_app(
             return "default"
         return "key-" + hashlib.blake2b(key.strip().encode(), digest_size=8).hexdigest()
 
+    def salted(requested: str | None, salt: str | None) -> str | None:
+        """vLLM's `cache_salt` as a namespace of its hash (the salt itself never stored or
+        listed), inside the requested namespace when there is one."""
+        if salt is None:
+            return requested
+        digest = "salt-" + hashlib.sha256(salt.encode("utf-8")).hexdigest()[:32]
+        return digest if requested is None else f"{requested}/{digest}"
+
     def scoped(base: str, requested: str | None) -> str:
         if requested is None:
             return base
@@ -396,7 +404,14 @@ def create_app(
             )
         check_fields(body)
         check_documents(body.documents)
-        ns = scoped(base_ns, body.cache_namespace)
+        if body.prompt_logprobs is not None and body.stream:
+            raise ApiError(
+                400,
+                "prompt_logprobs: not served with stream (ask without streaming)",
+                "invalid_request_error",
+                param="prompt_logprobs",
+            )
+        ns = scoped(base_ns, salted(body.cache_namespace, body.cache_salt))
         rags = to_rags(body, ns, config)
         if any(r.chunks or r.system_chunks for r in rags):
             # what other replicas deleted must not be served from memory here
@@ -422,6 +437,10 @@ def create_app(
                 prompt_logprobs=sampling.logprobs,
                 max_tokens=1 if hide else sampling.max_tokens,
             )
+        if body.prompt_logprobs is not None:  # one k for the engine; each reader keeps its own
+            sampling = dataclasses.replace(
+                sampling, prompt_logprobs=max(sampling.prompt_logprobs or 0, body.prompt_logprobs)
+            )
         loop = asyncio.get_running_loop()
         chat = isinstance(body, ChatCompletionRequest)
         n = body.n or 1
@@ -442,9 +461,11 @@ def create_app(
                             ns,
                             sampling.stop,
                             index,
-                            logprobs=sampling.logprobs is not None,
+                            logprobs=sampling.logprobs,
                             echo=echoes[p],
                             hide_output=hide,
+                            prompt_logprobs=body.prompt_logprobs,
+                            include_stop=body.include_stop_str_in_output,
                         )
                     )
             for gen in gens:

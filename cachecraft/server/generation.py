@@ -31,7 +31,12 @@ from cachecraft.engine.text import TextStream
 from cachecraft.errors import BadRequestError, CachecraftError
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.server.config import ServerConfig
-from cachecraft.server.logprobs import Entry, chat_logprobs, completion_logprobs
+from cachecraft.server.logprobs import (
+    Entry,
+    chat_logprobs,
+    completion_logprobs,
+    vllm_prompt_logprobs,
+)
 from cachecraft.server.protocol import (
     SEED_MAX,
     ChatCompletionRequest,
@@ -167,15 +172,22 @@ class Generation:
         namespace: str,
         stops: tuple[str, ...] = (),
         index: int = 0,
-        logprobs: bool = False,
+        logprobs: int | None = None,
         echo: str | None = None,
         hide_output: bool = False,
+        prompt_logprobs: int | None = None,
+        include_stop: bool = False,
     ) -> None:
         self.state = app_state
         self.index = index
-        self.logprobs: list[Entry] | None = [] if logprobs else None
+        self.logprobs: list[Entry] | None = [] if logprobs is not None else None
         """(token, TokenLogprobs) of each shown token, when the request asked for them (with
         `echo`, the prompt's tokens first, the first one's None)."""
+        self._k = logprobs or 0
+        self.prompt_logprobs_k = prompt_logprobs
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
+        """vLLM's `prompt_logprobs` (asked for with `prompt_logprobs_k`), once the engine sent
+        them: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
         self.echo = echo
         """A completion's `echo`: this text (the prompt) goes before the answer."""
         self.hide_output = hide_output
@@ -190,7 +202,7 @@ class Generation:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.t0 = time.perf_counter()
-        self.text = TextStream(app_state.engine.runner.loaded.tokenizer, stops)
+        self.text = TextStream(app_state.engine.runner.loaded.tokenizer, stops, include_stop)
         self.num_prompt_tokens = 0
         self.num_output = 0
         self.finish_reason: str | None = None
@@ -211,8 +223,13 @@ class Generation:
         while True:
             event = await self.handle.next_event()
             if isinstance(event, PromptLogprobs):
-                if self.logprobs is not None:
-                    self.logprobs += zip(event.token_ids, [None, *event.entries], strict=True)
+                if self.prompt_logprobs_k is not None:
+                    self.prompt_logprobs = vllm_prompt_logprobs(
+                        self.text.tokenizer, event.token_ids, event.entries, self.prompt_logprobs_k
+                    )
+                if self.logprobs is not None and self.echo is not None:
+                    entries = [lp._replace(top=lp.top[: self._k]) for lp in event.entries]
+                    self.logprobs += zip(event.token_ids, [None, *entries], strict=True)
                 continue
             if self.echo is not None and isinstance(event, Token | Finished):
                 self._echoed, self.echo = self.echo, None
@@ -281,7 +298,10 @@ class Generation:
         `upto` (None: all of them)."""
         i, lp = self.index, self._logprobs_upto(upto)
         if not self.chat:
-            return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            out = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            if self.prompt_logprobs_k is not None and not delta:
+                out["prompt_logprobs"] = self.prompt_logprobs
+            return out
         if delta:
             content = {} if text is None else {"content": text}
             return {"index": i, "delta": content, "logprobs": lp, "finish_reason": finish}
@@ -350,6 +370,8 @@ async def respond(
         g.choice(text, g.finish_reason, delta=False) for g, text in zip(gens, texts, strict=True)
     ]
     body = gens[0].envelope(choices, stream=False)
+    if gens[0].chat and gens[0].prompt_logprobs_k is not None:
+        body["prompt_logprobs"] = gens[0].prompt_logprobs  # vLLM's: the request's, not a choice's
     body["usage"] = total_usage(gens, n)
     return JSONResponse(body)
 

@@ -1,6 +1,9 @@
 """Log-probabilities in OpenAI's two response shapes: a chat choice's `logprobs.content` and a
 completion choice's `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`.
 
+Also vLLM's `prompt_logprobs`: per prompt token (the first one None) a map from token id to
+{logprob, rank, decoded_token}, the prompt's token first, then the most likely ones.
+
 Each entry is a token and its `TokenLogprobs` (engine/sampling.py; None for an echoed
 prompt's first token, which nothing comes before: null in the response); a token's text is
 what the tokenizer decodes it to alone (a piece of a multi-byte character shows as U+FFFD, as
@@ -9,6 +12,7 @@ vLLM shows it), its `bytes` that text's UTF-8.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from cachecraft.engine.sampling import TokenLogprobs
@@ -51,3 +55,27 @@ def completion_logprobs(tokenizer: Any, entries: list[Entry], offset: int) -> di
         ],
         "text_offset": offsets,
     }
+
+
+VLLM_MIN_LOGPROB = -9999.0
+"""vLLM's JSON stand-in for a log-probability of -inf (JSON has no infinities)."""
+
+
+def _vllm_logprob(tokenizer: Any, logprob: float, rank: int, token_id: int) -> dict[str, Any]:
+    value = max(logprob, VLLM_MIN_LOGPROB) if logprob == logprob else logprob  # nan stays
+    return {"logprob": value, "rank": rank, "decoded_token": _text(tokenizer, token_id)}
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Any, token_ids: Sequence[int], entries: Sequence[TokenLogprobs], k: int
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first of `token_ids`, then for each next token
+    (entries[j] is token j + 1's) its own entry and the `k` most likely tokens' (ranks 1..k;
+    token ids as JSON keys, strings)."""
+    out: list[dict[str, Any] | None] = [None]
+    for token_id, lp in zip(token_ids[1:], entries, strict=True):
+        item = {str(token_id): _vllm_logprob(tokenizer, lp.logprob, lp.rank, token_id)}
+        for rank, (t, v) in enumerate(lp.top[:k], start=1):
+            item.setdefault(str(t), _vllm_logprob(tokenizer, v, rank, t))
+        out.append(item)
+    return out

@@ -1,12 +1,13 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic) plus our extensions.
 
 Unknown fields are accepted and ignored (extra="allow"), except the OpenAI fields this server
-cannot honour (`unsupported_fields`: tools, response_format, ...), which are refused
-by name as vLLM does, and input it cannot read (non-text content parts), refused with what to
+cannot honour (`unsupported_fields`: tools, response_format, vLLM's guided decoding, ...),
+which are refused by name as vLLM does, and input it cannot read (non-text content parts), refused with what to
 send instead. `model` may be left out (the served model), as in vLLM.
 Every string must be encodable UTF-8 (no lone surrogates such as "\\ud800"). Extensions:
 `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens` and `stop_token_ids`.
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `prompt_logprobs`,
+`include_stop_str_in_output` and `cache_salt`.
 """
 
 from __future__ import annotations
@@ -123,6 +124,20 @@ class _Generation(_Lenient):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(
         default=None, max_length=64
     )  # vLLM's
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's: each prompt token's log-probability and the k most likely tokens' there (the
+    request runs as a full prefill: every prompt row's logits are read)."""
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
+    """vLLM's: requests share cached K/V only with requests of the same salt (here: a cache
+    namespace of the salt's hash, inside `cache_namespace` when both are given)."""
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _bool_is_one(cls, v: Any) -> Any:
+        """vLLM reads `true` as 1 (its field is a lax int); `false` asks for none."""
+        if isinstance(v, bool):
+            return 1 if v else None
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -144,8 +159,11 @@ class _Generation(_Lenient):
     cachecraft_mode: StrictStr | None = Field(default=None, max_length=64)
     ignore_eos: StrictBool = False
     stop: StopStr | list[StopStr] | None = Field(default=None, max_length=4)
+    include_stop_str_in_output: StrictBool = False  # vLLM's: the answer ends after its stop
 
-    @field_validator("stream", "ignore_eos", "documents", mode="before")
+    @field_validator(
+        "stream", "ignore_eos", "include_stop_str_in_output", "documents", mode="before"
+    )
     @classmethod
     def _null_is_default(cls, v: Any, info: Any) -> Any:
         """OpenAI's schema makes `stream` nullable (null: false); our extensions do the same."""
@@ -295,6 +313,23 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
+    # vLLM's, for what this server does not do: structured output, beam search, prompt
+    # truncation, other templates or continuing the assistant's message, other token output
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "logits_processors": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "use_beam_search": (None, False),
+    "chat_template": (None,),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "prompt_embeds": (None,),
+    "return_tokens_as_token_ids": (None, False),
 }
 
 
