@@ -28,6 +28,8 @@ from pydantic import (
 )
 from pydantic import StrictStr as _StrictStr
 
+from cachecraft.engine.sampling import MAX_LOGPROBS  # alternatives per token, everywhere
+
 
 def check_utf8(text: str) -> str:
     """Refuse strings that cannot be encoded as UTF-8 (lone surrogates from JSON escapes)."""
@@ -104,7 +106,6 @@ class StreamOptions(_Lenient):
 StopStr = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_CHOICES = 8  # `n`: each choice is one engine request (its own prefill)
-MAX_LOGPROBS = 20  # `top_logprobs` (chat) and `logprobs` (completions): alternatives per token
 MIN_TEMPERATURE = 1e-3  # below it softmax(logits / t) overflows to inf / nan
 
 
