@@ -147,3 +147,19 @@ def test_vllm_fields_this_server_cannot_honour_are_named(
             s.url, {"messages": messages, "max_tokens": 1, **harmless}, "/v1/chat/completions"
         )
         assert ok.status_code == 200
+
+
+def test_an_empty_question_names_its_field(small: LoadedModel) -> None:
+    with serving(small, ServerConfig()) as s:
+        for prompt in ("", "  \n"):
+            err = openai_error(post(s.url, {"prompt": prompt, "max_tokens": 1}), 400)
+            assert err["param"] == "prompt" and "empty" in err["message"]
+        history = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": None},
+        ]
+        err = openai_error(post(s.url, {"messages": history}, "/v1/chat/completions"), 400)
+        assert err["param"] == "messages.2.content"
+        err = openai_error(post(s.url, {"messages": history[:2]}, "/v1/chat/completions"), 400)
+        assert err["param"] == "messages"  # ends with the assistant's turn

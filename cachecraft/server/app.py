@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +100,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_FIELD_PREFIX = re.compile(r"([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)*): ")
+"""A request error's message that begins with a field ("messages.2.content: ...") names it
+in `param`, as the validation errors do."""
 
 
 def _json_error(status: int, message: str, type_: str, code: str | None) -> tuple[dict, bytes]:
@@ -269,7 +273,9 @@ def create_app(
 
     @app.exception_handler(CachecraftError)
     async def _bad(_: Request, exc: CachecraftError) -> JSONResponse:
-        return err(400, str(exc), "invalid_request_error")
+        message = str(exc)  # "messages.2.content: ..." names the field it is about
+        field = _FIELD_PREFIX.match(message)
+        return err(400, message, "invalid_request_error", None, field and field.group(1))
 
     @app.exception_handler(QueueFull)
     async def _full(_: Request, exc: QueueFull) -> JSONResponse:

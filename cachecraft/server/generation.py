@@ -78,6 +78,10 @@ def to_rag(
             f"messages: the last message (after any system ones) must be from the user, not "
             f"{message.role!r}: this server answers a user's question"
         )
+    if not message.text().strip():
+        raise BadRequestError(
+            f"messages.{last}.content: the user's message, the question, is empty"
+        )
     history = history_chunks([(i, m.role, m.text()) for i, m in turns[:-1]], *split)
     where = f"messages[{last}]"
     pasted, question = pasted_chunks(message.text(), where, *split)
@@ -111,6 +115,8 @@ def _completion_rag(
 ) -> RagRequest:
     """One completion prompt: read as given (token ids, `echo`, `raw_completions`: no template,
     no chunks), else the documents, then the context pasted into it, as chunks."""
+    if isinstance(prompt, str) and not prompt.strip():
+        raise BadRequestError("prompt: is empty")  # as the engine reads it, raw or not
     if not isinstance(prompt, str) or body.echo or config.raw_completions:
         if body.documents:
             raise BadRequestError(
