@@ -2,8 +2,8 @@
 
 Unknown fields are accepted and ignored (extra="allow"), except the OpenAI fields this server
 cannot honour (`unsupported_fields`: tools, response_format, vLLM's guided decoding, ...),
-which are refused by name as vLLM does, and input it cannot read (non-text content parts), refused with what to
-send instead. `model` may be left out (the served model), as in vLLM.
+which are refused by name as vLLM does, and input it cannot read (non-text content parts),
+refused with what to send instead. `model` may be left out (the served model), as in vLLM.
 Every string must be encodable UTF-8 (no lone surrogates such as "\\ud800"). Extensions:
 `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `prompt_logprobs`,
