@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from conftest import make_tiny_dir
 from test_server_faults import CTX, openai_error, serving
+from test_server_raw import post
 
 from cachecraft.engine.sampling import prompt_token_logprobs
 from cachecraft.model.loader import LoadedModel, load_model
@@ -26,10 +26,6 @@ PASSAGE = "The Eiffel Tower stands in Paris and was finished in 1889 for a world
 def small(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     path = make_tiny_dir(tmp_path_factory.mktemp("tiny-vllm"), max_position_embeddings=CTX)
     return load_model(str(path))
-
-
-def post(url: str, body: dict[str, Any], route: str = "/v1/completions") -> httpx.Response:
-    return httpx.post(url + route, json={"model": "cachecraft", **body}, timeout=120)
 
 
 def test_prompt_logprobs_in_vllms_shape(small: LoadedModel) -> None:
