@@ -438,14 +438,12 @@ def create_app(
                     else await loop.run_in_executor(state.tokenize, decode, p)
                 )
             hide = body.max_tokens == 0
+            # the echo's entries and `prompt_logprobs` share one k; each reader keeps its own
+            ks = [k for k in (sampling.logprobs, sampling.prompt_logprobs) if k is not None]
             sampling = dataclasses.replace(
                 sampling,
-                prompt_logprobs=sampling.logprobs,
+                prompt_logprobs=max(ks) if ks else None,
                 max_tokens=1 if hide else sampling.max_tokens,
-            )
-        if body.prompt_logprobs is not None:  # one k for the engine; each reader keeps its own
-            sampling = dataclasses.replace(
-                sampling, prompt_logprobs=max(sampling.prompt_logprobs or 0, body.prompt_logprobs)
             )
         loop = asyncio.get_running_loop()
         chat = isinstance(body, ChatCompletionRequest)

@@ -148,6 +148,7 @@ def sampling_of(body: ChatCompletionRequest | CompletionRequest, defaults: Any) 
         ignore_eos=body.ignore_eos,
         stop=body.stop_strings(),
         logprobs=body.logprobs_k(),
+        prompt_logprobs=body.prompt_logprobs,
         presence_penalty=float(body.presence_penalty or 0),
         frequency_penalty=float(body.frequency_penalty or 0),
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
