@@ -1,13 +1,17 @@
 """vLLM's request fields a client switching from vLLM sends: `prompt_logprobs` (served in
 vLLM's shape, checked against a plain forward), `include_stop_str_in_output`, `cache_salt`
-(requests share cached K/V only within one salt), and the fields of what this server does
-not do (structured output, beam search, ...), refused by name rather than ignored (tiny random
+(requests share cached K/V only within one salt), `skip_special_tokens`,
+`continuous_usage_stats`, `GET /version`, and the fields of what this server does not do
+(structured output, beam search, ...), refused by name rather than ignored (tiny random
 Llama)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from conftest import make_tiny_dir
@@ -112,6 +116,61 @@ def test_cache_salt_keeps_caches_apart(small: LoadedModel) -> None:
         assert cached("tenant-b") == 0  # not even the template's prefix is shared
         assert cached(None) == 0
         assert cached("tenant-a") == last
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(small: LoadedModel) -> None:
+    special = small.tokenizer.convert_tokens_to_ids("<|im_start|>")  # not a stop token
+    body = {
+        "prompt": "Hello",
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "logit_bias": {str(special): 100.0},  # every token the special one
+    }
+    with serving(small, ServerConfig()) as s:
+        hidden = post(s.url, body).json()["choices"][0]
+        shown = post(s.url, {**body, "skip_special_tokens": False}).json()["choices"][0]
+        default = post(s.url, {**body, "skip_special_tokens": None}).json()["choices"][0]
+    assert hidden["text"] == default["text"] == ""
+    assert shown["text"] == "<|im_start|>" * 3
+
+
+def _events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_continuous_usage_stats_on_every_chunk(small: LoadedModel) -> None:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Count to five"}],
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "stream": True,
+        "n": 2,
+    }
+    with serving(small, ServerConfig()) as s:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        events = _events(s.url, {**body, "stream_options": options})
+        plain = _events(s.url, {**body, "stream_options": {"include_usage": True}})
+        alone = _events(s.url, {**body, "stream_options": {"continuous_usage_stats": True}})
+        version = httpx.get(s.url + "/version", timeout=10).json()
+    chunks, last = events[:-1], events[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10  # 2 choices x 5
+    prompt = last["usage"]["prompt_tokens"]
+    made: dict[int, list[int]] = {0: [], 1: []}
+    for e in chunks:
+        (choice,) = e["choices"]
+        u = e["usage"]
+        assert u["prompt_tokens"] == prompt
+        assert u["total_tokens"] == prompt + u["completion_tokens"]
+        made[choice["index"]].append(u["completion_tokens"])
+    for counts in made.values():  # per choice: 0 with the role, rising to 5 at the end
+        assert counts[0] == 0 and counts[-1] == 5 and counts == sorted(counts)
+    assert all("usage" not in e for e in plain[:-1]) and "usage" in plain[-1]
+    assert all("usage" not in e for e in alone)  # continuous needs include_usage, as in vLLM
+    assert version == {"version": importlib.metadata.version("cachecraft")}
 
 
 @pytest.mark.parametrize(

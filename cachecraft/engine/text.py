@@ -2,7 +2,8 @@
 
 A stop string ends the answer just before its first occurrence (or right after it, with
 `include_stop`: vLLM's `include_stop_str_in_output`); text that could still turn into one is
-held back until it cannot, so a streamed answer never shows part of a stop string.
+held back until it cannot, so a streamed answer never shows part of a stop string. Special
+tokens are left out of the text unless `skip_special` is False (vLLM's `skip_special_tokens`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ class TextStream:
     appears the text ends before it (`stopped`) and later tokens are ignored."""
 
     def __init__(
-        self, tokenizer: Any, stops: tuple[str, ...] = (), include_stop: bool = False
+        self,
+        tokenizer: Any,
+        stops: tuple[str, ...] = (),
+        include_stop: bool = False,
+        skip_special: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
         self.include_stop = include_stop
+        self.skip_special = skip_special
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
@@ -29,7 +35,7 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
+        text = self._decode()
         if text.endswith("\ufffd"):
             return ""
         found = [(i, -len(s)) for s in self.stops if (i := text.find(s)) >= 0]
@@ -56,7 +62,10 @@ class TextStream:
     def _final(self) -> str:
         """All text at the end; a multi-byte character cut by the end of the answer (a
         `length` finish) is dropped rather than shown as U+FFFD."""
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip().rstrip("\ufffd")
+        return self._decode().rstrip("\ufffd")
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special).lstrip()
 
     def flush(self) -> str:
         """At the end: the text held back for a stop string that never came."""

@@ -2,9 +2,9 @@
 store it is given (the one the engine's runner was built with) and never reaches into the engine.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{model}), /v1/chunks
-(POST, GET, DELETE), vLLM's /tokenize, /detokenize and /tokenizer_info, /health, /metrics.
-Every error, the framework's included, has OpenAI's shape: 400 bad input (unsupported fields
-named), 401 bad key, 404 unknown model, chunk or route, 405 wrong method, 413 body or text over
+(POST, GET, DELETE), vLLM's /tokenize, /detokenize, /tokenizer_info and /version, /health,
+/metrics. Every error, the framework's included, has OpenAI's shape: 400 bad input (unsupported
+fields named), 401 bad key, 404 unknown model, chunk or route, 405 wrong method, 413 body or text over
 a cap, 429 queue full (Retry-After), 503 engine stopped, server shutting down or (DELETE) Redis
 unreachable, 500 anything else (and the connection stays open). Prompts are tokenized on a
 worker thread, never on the engine's step thread; /health answers 503 when the step thread is
@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import re
@@ -470,6 +471,7 @@ def create_app(
                             hide_output=hide,
                             prompt_logprobs=body.prompt_logprobs,
                             include_stop=body.include_stop_str_in_output,
+                            skip_special=body.skip_special_tokens,
                         )
                     )
             for gen in gens:
@@ -478,8 +480,10 @@ def create_app(
             for gen in gens:
                 gen.handle.abort()
             raise
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, gens, body.stream, include_usage, n)
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        return await respond(request, gens, body.stream, include_usage, n, continuous)
 
     @app.post("/v1/chat/completions")
     async def chat(
@@ -664,6 +668,11 @@ def create_app(
             "num_failed_requests": live.num_failed_requests,
         }
         return JSONResponse(body, status_code=200 if problem is None else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's: the server's version (a client probes it to tell what it talks to)."""
+        return {"version": importlib.metadata.version("cachecraft")}
 
     async def metrics_access(request: Request) -> None:
         if not config.metrics_public:

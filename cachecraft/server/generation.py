@@ -184,6 +184,7 @@ class Generation:
         hide_output: bool = False,
         prompt_logprobs: int | None = None,
         include_stop: bool = False,
+        skip_special: bool = True,
     ) -> None:
         self.state = app_state
         self.index = index
@@ -209,7 +210,9 @@ class Generation:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.t0 = time.perf_counter()
-        self.text = TextStream(app_state.engine.runner.loaded.tokenizer, stops, include_stop)
+        self.text = TextStream(
+            app_state.engine.runner.loaded.tokenizer, stops, include_stop, skip_special
+        )
         self.num_prompt_tokens = 0
         self.num_output = 0
         self.finish_reason: str | None = None
@@ -353,11 +356,19 @@ def abort_all(gens: list[Generation]) -> None:
 
 
 async def respond(
-    request: Request, gens: list[Generation], stream: bool, include_usage: bool, n: int = 1
+    request: Request,
+    gens: list[Generation],
+    stream: bool,
+    include_usage: bool,
+    n: int = 1,
+    continuous_usage: bool = False,
 ):
-    """The answer of one request with `len(gens)` choices (`n` per prompt)."""
+    """The answer of one request with `len(gens)` choices (`n` per prompt). A stream ends with
+    the usage when `include_usage`; with `continuous_usage` too, every chunk carries its
+    choice's usage so far (vLLM's `continuous_usage_stats`)."""
     if stream:
-        return StreamingResponse(_sse(gens, include_usage, n), media_type="text/event-stream")
+        events = _sse(gens, include_usage, n, include_usage and continuous_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
     tasks = [asyncio.ensure_future(_collect(g)) for g in gens]
     try:
         while not all(t.done() for t in tasks):
@@ -399,9 +410,22 @@ async def _pump(gen: Generation, out: asyncio.Queue[tuple[Generation, Any]]) -> 
         await out.put((gen, e))
 
 
-async def _sse(gens: list[Generation], include_usage: bool, n: int) -> AsyncIterator[str]:
+async def _sse(
+    gens: list[Generation], include_usage: bool, n: int, continuous_usage: bool
+) -> AsyncIterator[str]:
     def event(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj)}\n\n"
+
+    def chunk_event(g: Generation, choice: dict[str, Any]) -> str:
+        obj = head.envelope([choice], stream=True)
+        if continuous_usage:
+            made, prompt = g.num_output, g.num_prompt_tokens
+            obj["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": made,
+                "total_tokens": prompt + made,
+            }
+        return event(obj)
 
     head = gens[0]
     queue: asyncio.Queue[tuple[Generation, Any]] = asyncio.Queue()
@@ -411,7 +435,7 @@ async def _sse(gens: list[Generation], include_usage: bool, n: int) -> AsyncIter
             for g in gens:
                 first = g.choice(None, None, delta=True, upto=0)
                 first["delta"] = {"role": "assistant", "content": ""}
-                yield event(head.envelope([first], stream=True))
+                yield chunk_event(g, first)
         running = len(gens)
         while running:
             g, item = await queue.get()
@@ -419,12 +443,11 @@ async def _sse(gens: list[Generation], include_usage: bool, n: int) -> AsyncIter
                 raise item
             if item is not None:
                 text, upto = item
-                chunk = g.choice(text, None, delta=True, upto=upto)
-                yield event(head.envelope([chunk], stream=True))
+                yield chunk_event(g, g.choice(text, None, delta=True, upto=upto))
                 continue
             running -= 1
             done = g.choice("" if not g.chat else None, g.finish_reason, delta=True)
-            yield event(head.envelope([done], stream=True))
+            yield chunk_event(g, done)
         if include_usage:
             last = head.envelope([], stream=True)
             last["usage"] = total_usage(gens, n)

@@ -101,6 +101,8 @@ class Message(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+    """vLLM's: with `include_usage`, every chunk also carries its choice's usage so far."""
 
 
 StopStr = Annotated[StrictStr, Field(min_length=1, max_length=256)]
@@ -161,15 +163,21 @@ class _Generation(_Lenient):
     ignore_eos: StrictBool = False
     stop: StopStr | list[StopStr] | None = Field(default=None, max_length=4)
     include_stop_str_in_output: StrictBool = False  # vLLM's: the answer ends after its stop
+    skip_special_tokens: StrictBool = True  # vLLM's: False keeps special tokens in the text
 
     @field_validator(
-        "stream", "ignore_eos", "include_stop_str_in_output", "documents", mode="before"
+        "stream",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "documents",
+        mode="before",
     )
     @classmethod
     def _null_is_default(cls, v: Any, info: Any) -> Any:
         """OpenAI's schema makes `stream` nullable (null: false); our extensions do the same."""
         if v is None:
-            return [] if info.field_name == "documents" else False
+            return cls.model_fields[info.field_name].get_default(call_default_factory=True)
         return v
 
     @field_validator("temperature")
