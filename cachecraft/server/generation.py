@@ -403,8 +403,8 @@ async def _collect(gen: Generation) -> str:
 async def _pump(gen: Generation, out: asyncio.Queue[tuple[Generation, Any]]) -> None:
     """Feed one choice's deltas into the shared queue, then None (its end) or its error."""
     try:
-        async for delta in gen.deltas():  # (text, log-probability entries so far)
-            await out.put((gen, delta))
+        async for text, upto in gen.deltas():  # (text, log-probability entries so far)
+            await out.put((gen, (text, upto, gen.num_output)))  # tokens made by then
         await out.put((gen, None))
     except Exception as e:  # noqa: BLE001 - handed to the stream, which reports it in-band
         await out.put((gen, e))
@@ -416,10 +416,10 @@ async def _sse(
     def event(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    def chunk_event(g: Generation, choice: dict[str, Any]) -> str:
+    def chunk_event(g: Generation, choice: dict[str, Any], made: int) -> str:
         obj = head.envelope([choice], stream=True)
-        if continuous_usage:
-            made, prompt = g.num_output, g.num_prompt_tokens
+        if continuous_usage:  # vLLM's: the choice's usage when this chunk was made
+            prompt = g.num_prompt_tokens
             obj["usage"] = {
                 "prompt_tokens": prompt,
                 "completion_tokens": made,
@@ -435,19 +435,19 @@ async def _sse(
             for g in gens:
                 first = g.choice(None, None, delta=True, upto=0)
                 first["delta"] = {"role": "assistant", "content": ""}
-                yield chunk_event(g, first)
+                yield chunk_event(g, first, 0)
         running = len(gens)
         while running:
             g, item = await queue.get()
             if isinstance(item, Exception):
                 raise item
             if item is not None:
-                text, upto = item
-                yield chunk_event(g, g.choice(text, None, delta=True, upto=upto))
+                text, upto, made = item
+                yield chunk_event(g, g.choice(text, None, delta=True, upto=upto), made)
                 continue
             running -= 1
             done = g.choice("" if not g.chat else None, g.finish_reason, delta=True)
-            yield chunk_event(g, done)
+            yield chunk_event(g, done, g.num_output)
         if include_usage:
             last = head.envelope([], stream=True)
             last["usage"] = total_usage(gens, n)
