@@ -139,6 +139,7 @@ def post(url: str, route: str, body: Any) -> None:
 ROUTES = [
     ("/v1/chat/completions", "ChatCompletionRequest"),
     ("/v1/completions", "CompletionRequest"),
+    ("/v1/responses", "ResponsesRequest"),
     ("/v1/chunks", "ChunksRequest"),
     ("/tokenize", "TokenizeRequest"),
     ("/detokenize", "DetokenizeRequest"),

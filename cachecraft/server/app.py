@@ -1,11 +1,12 @@
 """create_app(engine, store, config): the OpenAI-compatible FastAPI app, kept thin. It uses the
 store it is given (the one the engine's runner was built with) and never reaches into the engine.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/models (and /v1/models/{model}), /v1/chunks
-(POST, GET, DELETE), vLLM's /tokenize, /detokenize, /tokenizer_info and /version, /health,
-/metrics. Every error, the framework's included, has OpenAI's shape: 400 bad input (unsupported
-fields named), 401 bad key, 404 unknown model, chunk or route, 405 wrong method, 413 body or text over
-a cap, 429 queue full (Retry-After), 503 engine stopped, server shutting down or (DELETE) Redis
+Routes: /v1/chat/completions, /v1/completions, /v1/responses (over the chat path:
+server/responses.py), /v1/models (and /v1/models/{model}), /v1/chunks (POST, GET, DELETE),
+vLLM's /tokenize, /detokenize, /tokenizer_info and /version, /health, /metrics. Every error,
+the framework's included, has OpenAI's shape: 400 bad input (unsupported fields named), 401
+bad key, 404 unknown model, chunk or route, 405 wrong method, 413 body or text over a cap, 429
+queue full (Retry-After), 503 engine stopped, server shutting down or (DELETE) Redis
 unreachable, 500 anything else (and the connection stays open). Prompts are tokenized on a
 worker thread, never on the engine's step thread; /health answers 503 when the step thread is
 dead or stuck.
@@ -28,7 +29,8 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachecraft.config import MODES
@@ -57,6 +59,12 @@ from cachecraft.server.protocol import (
     unsupported_fields,
 )
 from cachecraft.server.registry import ChunkRegistry
+from cachecraft.server.responses import (
+    ResponseBuilder,
+    ResponsesRequest,
+    responses_field,
+    responses_loc,
+)
 from cachecraft.store.base import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -496,6 +504,40 @@ def create_app(
         request: Request, body: CompletionRequest, ns: str = Depends(namespace)
     ) -> Response:
         return await generate(request, body, ns)
+
+    @app.post("/v1/responses")
+    async def responses(
+        request: Request, body: ResponsesRequest, ns: str = Depends(namespace)
+    ) -> Response:
+        """OpenAI's Responses API over the chat path (server/responses.py)."""
+        refused = body.refused()
+        if refused:
+            raise ApiError(
+                400,
+                f"{', '.join(refused)}: not supported by this server (remove the field)",
+                "invalid_request_error",
+                "unsupported_field",
+                refused[0],
+            )
+        try:
+            chat = ChatCompletionRequest.model_validate(body.to_chat())
+        except ValidationError as e:  # named as the Responses request's fields
+            errors = [{**x, "loc": ("body", *responses_loc(x["loc"], body))} for x in e.errors()]
+            raise RequestValidationError(errors) from None
+        try:
+            out = await generate(request, chat, ns)
+        except ApiError as e:
+            param = e.param and responses_field(e.param, body)
+            raise ApiError(e.status, responses_field(str(e), body), e.type, e.code, param) from None
+        except CachecraftError as e:
+            raise CachecraftError(responses_field(str(e), body)) from None
+        builder = ResponseBuilder(body, chat.model or loaded.name)
+        if isinstance(out, StreamingResponse):
+            events = builder.events(out.body_iterator)
+            return StreamingResponse(events, media_type="text/event-stream")
+        if out.status_code != 200:  # the client went away
+            return out
+        return JSONResponse(builder.from_chat(json.loads(bytes(out.body))))
 
     def model_card() -> dict[str, Any]:
         return {
