@@ -130,6 +130,12 @@ def test_errors_name_the_responses_fields(srv: Served, body: dict[str, Any], par
     assert "messages." not in err["message"] and "max_tokens" not in err["message"]
 
 
+def test_a_prompt_over_the_cap_names_input(srv: Served) -> None:
+    body = {"input": "Hi", "instructions": "x" * 40_000}  # max_prompt_chars: 32,000
+    err = openai_error(post(srv.url, body, "/v1/responses"), 413)
+    assert err["param"] == "input" and err["message"].startswith("input: 40002 characters")
+
+
 def test_fields_with_no_effect_pass(srv: Served) -> None:
     body = {
         "input": "Hi",

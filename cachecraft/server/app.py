@@ -354,8 +354,8 @@ def create_app(
         if num_chars > config.max_prompt_chars:
             raise ApiError(
                 413,
-                f"{texts[0][0]} hold {num_chars} characters; at most {config.max_prompt_chars} "
-                "are allowed (max_prompt_chars)",
+                f"{texts[0][0]}: {num_chars} characters in all; at most "
+                f"{config.max_prompt_chars} are allowed (max_prompt_chars)",
                 "invalid_request_error",
                 "prompt_too_large",
                 texts[0][0],

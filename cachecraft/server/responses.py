@@ -143,23 +143,26 @@ class ResponsesRequest(_Lenient):
         return body
 
 
-_CHAT_FIELD = re.compile(r"\bmessages\.(\d+)|\bmax_tokens\b|\bmax_completion_tokens\b")
+_CHAT_FIELD = re.compile(r"\bmessages(?:\.(\d+))?\b|\bmax_tokens\b|\bmax_completion_tokens\b")
 
 
 def responses_field(text: str, request: ResponsesRequest) -> str:
     """A chat request's field names in `text` as the Responses request's: `messages.2` is
     `input.1` after the instructions (`instructions` itself, or `input` for a string input),
-    `max_tokens` is `max_output_tokens`."""
+    `messages` is `input`, `max_tokens` is `max_output_tokens`."""
 
     def name(m: re.Match[str]) -> str:
-        if m.group(1) is None:
+        if not m.group(0).startswith("messages"):
             return "max_output_tokens"
+        if m.group(1) is None:
+            return "input"
         i = int(m.group(1)) - request.num_leading()
         if i < 0:
             return "instructions"
         return "input" if isinstance(request.input, str) else f"input.{i}"
 
-    return _CHAT_FIELD.sub(name, text).replace("input.content", "input")
+    renamed = _CHAT_FIELD.sub(name, text)
+    return renamed.replace("input.content", "input").replace("instructions.content", "instructions")
 
 
 def responses_loc(loc: Sequence[Any], request: ResponsesRequest) -> tuple[Any, ...]:
