@@ -4,9 +4,11 @@ chunk-caches reused through it (tiny random Llama)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from conftest import make_tiny_dir
@@ -95,6 +97,18 @@ def test_the_stream_carries_the_same_answer(srv: Served) -> None:
     assert deltas == want == events[-4].text
     final = events[-1].response
     assert final.output_text == want and final.usage.output_tokens == 5
+
+
+def test_a_stream_left_early_frees_its_request(srv: Served) -> None:
+    body = {"input": "Count.", "max_output_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        while "output_text.delta" not in next(lines):
+            pass  # generating now
+    deadline = time.monotonic() + 30
+    while srv.engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.engine.num_running == 0 and srv.engine.num_waiting == 0
 
 
 def test_documents_are_reused_through_it(srv: Served) -> None:

@@ -265,7 +265,17 @@ class ResponseBuilder:
 
     async def events(self, chat_sse: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
         """The Responses stream of a chat completion stream (which asked for usage). An
-        in-band error is passed on as it came (a client raises on it) and ends the stream."""
+        in-band error is passed on as it came (a client raises on it) and ends the stream.
+        However it ends (a client gone too), the chat stream is closed: its requests freed."""
+        try:
+            async for event in self._events(chat_sse):
+                yield event
+        finally:
+            close = getattr(chat_sse, "aclose", None)
+            if close is not None:
+                await close()
+
+    async def _events(self, chat_sse: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
         yield self.event("response.created", response=self.response(None, None, None))
         yield self.event("response.in_progress", response=self.response(None, None, None))
         yield self.event(
