@@ -7,7 +7,8 @@ refused with what to send instead. `model` may be left out (the served model), a
 Every string must be encodable UTF-8 (no lone surrogates such as "\\ud800"). Extensions:
 `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `prompt_logprobs`,
-`include_stop_str_in_output` and `cache_salt`.
+`include_stop_str_in_output`, `cache_salt`, `skip_special_tokens` and
+`stream_options.continuous_usage_stats`.
 """
 
 from __future__ import annotations
