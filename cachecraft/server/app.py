@@ -332,8 +332,8 @@ def create_app(
             return base
         return requested if base == "default" else f"{base}/{requested}"
 
-    def check_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
-        bad = unsupported_fields(body)
+    def refuse(bad: list[str]) -> None:
+        """400 naming the fields asking for what this server does not do, if any."""
         if bad:
             raise ApiError(
                 400,
@@ -342,6 +342,9 @@ def create_app(
                 "unsupported_field",
                 bad[0],
             )
+
+    def check_fields(body: ChatCompletionRequest | CompletionRequest) -> None:
+        refuse(unsupported_fields(body))
         if isinstance(body, CompletionRequest):
             prompts = body.prompts()
             texts = [("prompt", p) for p in prompts if isinstance(p, str)]
@@ -510,15 +513,7 @@ def create_app(
         request: Request, body: ResponsesRequest, ns: str = Depends(namespace)
     ) -> Response:
         """OpenAI's Responses API over the chat path (server/responses.py)."""
-        refused = body.refused()
-        if refused:
-            raise ApiError(
-                400,
-                f"{', '.join(refused)}: not supported by this server (remove the field)",
-                "invalid_request_error",
-                "unsupported_field",
-                refused[0],
-            )
+        refuse(body.refused())
         try:
             chat = ChatCompletionRequest.model_validate(body.to_chat())
         except ValidationError as e:  # named as the Responses request's fields

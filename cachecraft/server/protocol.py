@@ -343,11 +343,15 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def unsupported_fields(body: BaseModel) -> list[str]:
-    """Names of fields in the request that ask for something this server does not do."""
+def unsupported_fields(
+    body: BaseModel, table: dict[str, tuple[Any, ...]] | None = None
+) -> list[str]:
+    """Names of fields in the request that ask for something this server does not do: those
+    of `table` (default: OpenAI's and vLLM's, `_UNSUPPORTED`) present with a value other than
+    their "not asked" ones."""
     extra = body.model_extra or {}
     bad = []
-    for name, harmless in _UNSUPPORTED.items():
+    for name, harmless in (_UNSUPPORTED if table is None else table).items():
         if name in extra and not any(
             type(extra[name]) is type(h) and extra[name] == h or extra[name] is h for h in harmless
         ):

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, field_validator
 
-from cachecraft.server.protocol import MAX_ID_CHARS, StrictStr, _Lenient
+from cachecraft.server.protocol import MAX_ID_CHARS, StrictStr, _Lenient, unsupported_fields
 
 # Responses fields this server cannot honour, with the values that mean "not asked for".
 _REFUSED: dict[str, tuple[Any, ...]] = {
@@ -103,13 +103,8 @@ class ResponsesRequest(_Lenient):
         return False if v is None else v
 
     def refused(self) -> list[str]:
-        """Fields that ask for what this server does not do."""
-        extra = self.model_extra or {}
-        return [
-            name
-            for name, harmless in _REFUSED.items()
-            if name in extra and not any(extra[name] == h for h in harmless)
-        ]
+        """Responses fields that ask for what this server does not do."""
+        return unsupported_fields(self, _REFUSED)
 
     def num_leading(self) -> int:
         """Chat messages before the first `input` one (the instructions')."""
