@@ -94,6 +94,35 @@ def test_chat_with_documents_usage_and_report(url: str, small: LoadedModel) -> N
     assert [c["label"] for c in report["chunks"]] == ["d0", "d1"]
 
 
+def test_documents_as_bare_strings_and_with_vllm_titles(url: str) -> None:
+    """A bare string is a document's text; vLLM's `{"title", "text"}` reads the title as the
+    passage's first line: both answer and report exactly like the spelled-out document."""
+    q, docs = question(2)
+    title, text = "Atlas", docs[0]["text"]
+
+    def answer(documents: list[object]) -> openai.types.chat.ChatCompletion:
+        return client(url).chat.completions.create(
+            model="cachecraft",
+            messages=[{"role": "user", "content": q}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"documents": documents},
+        )
+
+    spelled = answer([{"text": f"{title}\n{text}"}, {"text": docs[1]["text"]}])
+    got = answer([{"title": title, "text": text}, docs[1]["text"]])
+    assert got.choices[0].message.content == spelled.choices[0].message.content
+    assert got.usage is not None and spelled.usage is not None
+    assert got.usage.prompt_tokens == spelled.usage.prompt_tokens
+    keys = [c["key"] for c in got.usage.model_extra["cachecraft"]["chunks"]]
+    assert keys == [c["key"] for c in spelled.usage.model_extra["cachecraft"]["chunks"]]
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": q}], "documents": [{"title": "t"}]},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents.0.text"
+
+
 def test_streaming_matches_non_streaming(url: str) -> None:
     q, docs = question(1)
     stream = client(url).chat.completions.create(

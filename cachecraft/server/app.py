@@ -390,10 +390,10 @@ def create_app(
                 "too_many_documents",
             )
         for i, d in enumerate(documents):
-            if len(d.text) > config.max_document_chars:
+            if len(d.passage) > config.max_document_chars:
                 raise ApiError(
                     413,
-                    f"documents.{i} has {len(d.text)} characters; at most "
+                    f"documents.{i} has {len(d.passage)} characters; at most "
                     f"{config.max_document_chars} are allowed (max_document_chars)",
                     "invalid_request_error",
                     "document_too_large",
@@ -630,7 +630,7 @@ def create_app(
         await asyncio.to_thread(chunks.follow_registry, store, state.registry)
         rows = []
         for i, d in enumerate(body.documents):  # one engine call each: generation interleaves
-            rag = chunks.precompute_request(d.text, d.id, scope, body.system)
+            rag = chunks.precompute_request(d.passage, d.id, scope, body.system)
             layout = await tokenized(rag)
             try:
                 rows.append(

@@ -55,9 +55,18 @@ MAX_ID_CHARS = 256
 
 
 class Document(BaseModel):
+    """One retrieved passage: `{"text": ..., "id": ...}`, vLLM's `{"title": ..., "text": ...}`
+    (the title becomes the passage's first line) or a bare string (its text)."""
+
     model_config = ConfigDict(extra="forbid")
     id: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
+    title: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
     text: StrictStr = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_string(cls, v: Any) -> Any:
+        return {"text": v} if isinstance(v, str) else v
 
     @field_validator("text")
     @classmethod
@@ -65,6 +74,11 @@ class Document(BaseModel):
         if not v.strip():
             raise ValueError("a document holds only whitespace; leave it out")
         return v
+
+    @property
+    def passage(self) -> str:
+        """What the model reads: the title (if any) on the first line, then the text."""
+        return self.text if not self.title else f"{self.title}\n{self.text}"
 
 
 class TextPart(_Lenient):
