@@ -317,6 +317,20 @@ def test_chunk_tokens_flag_sets_synthetic_chunk_lengths() -> None:
     _, items = load_items(args)
     sizes = [estimate_tokens(c.text) for item in items for c in item.request.chunks]
     assert len(items) == 6 and min(sizes) >= 36 and max(sizes) <= 64
+    assert {len(item.request.chunks) for item in items} == {5}
+    for permute in ([], ["--permute"]):
+        args = parser.parse_args(
+            ["quality", "--workload", "synthetic", "--requests", "6", "--chunks-per-request", "9"]
+            + permute
+        )
+        _, items = load_items(args)
+        assert {len(item.request.chunks) for item in items} == {9}
+    for bad in (
+        ["--workload", "wiki-qa"],
+        ["--workload", "synthetic", "--chunks-per-request", "0"],
+    ):
+        with pytest.raises(BadRequestError, match="chunks-per-request"):
+            load_items(parser.parse_args(["quality", "--chunks-per-request", "3", *bad]))
 
 
 def test_shared_warmup_gives_every_arm_the_same_warm_store(tiny: LoadedModel) -> None:

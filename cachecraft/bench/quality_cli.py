@@ -75,6 +75,10 @@ def _add_common_flags(parser: argparse.ArgumentParser, seed: int) -> None:
         help="synthetic only: tokens per chunk (default 128,512)",
     )  # fmt: skip
     parser.add_argument(
+        "--chunks-per-request", type=int, default=None, metavar="K",
+        help="synthetic only: distinct chunks in each request (default 5)",
+    )  # fmt: skip
+    parser.add_argument(
         "--permute", action="store_true",
         help="synthetic only: the same chunk sets recur, each time in a new order",
     )  # fmt: skip
@@ -155,6 +159,12 @@ def load_items(args: argparse.Namespace) -> tuple[str, list[WorkloadItem]]:
         if args.workload != "synthetic":
             raise BadRequestError("--chunk-tokens applies to --workload synthetic only")
         kw["chunk_tokens"] = parse_chunk_tokens(args.chunk_tokens)
+    if args.chunks_per_request is not None:
+        if args.workload != "synthetic":
+            raise BadRequestError("--chunks-per-request applies to --workload synthetic only")
+        if args.chunks_per_request < 1:
+            raise BadRequestError("--chunks-per-request must be >= 1")
+        kw["k"] = args.chunks_per_request
     if getattr(args, "permute", False):
         if args.workload != "synthetic":
             raise BadRequestError("--permute applies to --workload synthetic only")
