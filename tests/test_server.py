@@ -114,8 +114,11 @@ def test_documents_as_bare_strings_and_with_vllm_titles(url: str) -> None:
     assert got.choices[0].message.content == spelled.choices[0].message.content
     assert got.usage is not None and spelled.usage is not None
     assert got.usage.prompt_tokens == spelled.usage.prompt_tokens
-    keys = [c["key"] for c in got.usage.model_extra["cachecraft"]["chunks"]]
-    assert keys == [c["key"] for c in spelled.usage.model_extra["cachecraft"]["chunks"]]
+    chunks = got.usage.model_extra["cachecraft"]["chunks"]
+    assert [c["key"] for c in chunks] == [
+        c["key"] for c in spelled.usage.model_extra["cachecraft"]["chunks"]
+    ]
+    assert [c["label"] for c in chunks] == [title, None]  # no id: the title names it
     r = httpx.post(
         url + "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": q}], "documents": [{"title": "t"}]},

@@ -132,7 +132,7 @@ def _completion_rag(
 
 
 def _chunks(documents: list[Document]) -> list[Chunk]:
-    return [Chunk(d.passage, d.id) for d in documents]
+    return [Chunk(d.passage, d.label) for d in documents]
 
 
 def sampling_of(body: ChatCompletionRequest | CompletionRequest, defaults: Any) -> SamplingParams:

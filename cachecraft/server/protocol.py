@@ -80,6 +80,11 @@ class Document(BaseModel):
         """What the model reads: the title (if any) on the first line, then the text."""
         return self.text if not self.title else f"{self.title}\n{self.text}"
 
+    @property
+    def label(self) -> str | None:
+        """Its name in a request's reuse report: the id, else the title."""
+        return self.id if self.id is not None else self.title
+
 
 class TextPart(_Lenient):
     type: Literal["text"]
