@@ -156,24 +156,26 @@ def load_items(args: argparse.Namespace) -> tuple[str, list[WorkloadItem]]:
         n = DEFAULT_REQUESTS
     kw = {}
     if args.chunk_tokens is not None:
-        if args.workload != "synthetic":
-            raise BadRequestError("--chunk-tokens applies to --workload synthetic only")
+        _synthetic_only(args, "--chunk-tokens")
         kw["chunk_tokens"] = parse_chunk_tokens(args.chunk_tokens)
     if args.chunks_per_request is not None:
-        if args.workload != "synthetic":
-            raise BadRequestError("--chunks-per-request applies to --workload synthetic only")
+        _synthetic_only(args, "--chunks-per-request")
         if args.chunks_per_request < 1:
             raise BadRequestError("--chunks-per-request must be >= 1")
         kw["k"] = args.chunks_per_request
     if getattr(args, "permute", False):
-        if args.workload != "synthetic":
-            raise BadRequestError("--permute applies to --workload synthetic only")
+        _synthetic_only(args, "--permute")
         kw["permute"] = True
     items = build_workload(args.workload, n, seed=args.seed, **kw)
     name = args.workload if args.workload in BUILTIN_WORKLOADS else Path(args.workload).stem
     if kw.get("permute"):
         name = "synthetic-permute"
     return name, items
+
+
+def _synthetic_only(args: argparse.Namespace, flag: str) -> None:
+    if args.workload != "synthetic":
+        raise BadRequestError(f"{flag} applies to --workload synthetic only")
 
 
 def _split(text: str, kind: type) -> list:
