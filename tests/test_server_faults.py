@@ -242,8 +242,13 @@ def test_health_says_503_while_the_engine_is_stuck(srv: Served) -> None:
     time.sleep(0.9)
     r = srv.get("/health")
     assert r.status_code == 503 and "busy" in r.json()["reason"]
+    probes = [("HEAD", "/health"), ("GET", "/ping"), ("POST", "/ping")]  # uptime checkers, vLLM
+    assert [httpx.request(m, srv.url + p, timeout=T).status_code for m, p in probes] == [503] * 3
     future.result(T)
     assert srv.get("/health").status_code == 200
+    answers = [httpx.request(m, srv.url + p, timeout=T) for m, p in probes]
+    assert [r.status_code for r in answers] == [200] * 3
+    assert answers[0].content == b"" and answers[1].json()["status"] == "ok"
 
 
 def test_health_says_503_and_requests_end_when_the_engine_is_dead(small: LoadedModel) -> None:

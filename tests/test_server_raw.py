@@ -141,6 +141,10 @@ def test_bad_raw_prompts_are_named(small: LoadedModel) -> None:
         assert "not a mix" in err["message"]
         err = openai_error(post(s.url, {"prompt": [[1, 2], []], "max_tokens": 1}), 400)
         assert "empty" in err["message"]
+        for prompt in ([1, -2], [[3], [1, -2]]):
+            err = openai_error(post(s.url, {"prompt": prompt, "max_tokens": 1}), 400)
+            assert err["param"] == "prompt" and "never negative; got -2" in err["message"], err
+            assert "valid string" not in err["message"]
         err = openai_error(post(s.url, {"prompt": "Hi", "max_tokens": 0}), 400)
         assert "echo" in err["message"]
         docs = [{"text": "A passage."}]

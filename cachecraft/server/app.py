@@ -3,7 +3,7 @@ store it is given (the one the engine's runner was built with) and never reaches
 
 Routes: /v1/chat/completions, /v1/completions, /v1/responses (over the chat path:
 server/responses.py), /v1/models (and /v1/models/{model}), /v1/chunks (POST, GET, DELETE),
-vLLM's /tokenize, /detokenize, /tokenizer_info and /version, /health, /metrics. Every error,
+vLLM's /tokenize, /detokenize, /tokenizer_info, /version and /ping, /health, /metrics. Every error,
 the framework's included, has OpenAI's shape: 400 bad input (unsupported fields named), 401
 bad key, 404 unknown model, chunk or route, 405 wrong method, 413 body or text over a cap, 429
 queue full (Retry-After), 503 engine stopped, server shutting down or (DELETE) Redis
@@ -681,10 +681,12 @@ def create_app(
         return {"chunk_key": chunk_key, "deleted": True, "num_variants": removed}
 
     # ---- operations -------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health() -> JSONResponse:
         """200 while the step thread is alive and no unit of its work has run longer than
-        `watchdog_s`; 503 (with the reason) otherwise, so a supervisor can restart us."""
+        `watchdog_s`; 503 (with the reason) otherwise, so a supervisor can restart us. Also
+        `HEAD /health` (uptime checkers) and vLLM's `/ping` (GET or POST: SageMaker's)."""
         live = engine.liveness()
         problem = None
         if not live.is_alive:

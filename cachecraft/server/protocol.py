@@ -258,7 +258,7 @@ class CompletionRequest(_Generation):
     @classmethod
     def _one_kind(cls, v: Any) -> Any:
         """A list is all strings, all token ids or all lists of ids (named when mixed), and
-        holds at most MAX_PROMPT_IDS ids in all; every prompt holds something."""
+        holds at most MAX_PROMPT_IDS ids in all, none negative; every prompt holds something."""
         if not isinstance(v, list):
             return v
         if not v:
@@ -268,6 +268,10 @@ class CompletionRequest(_Generation):
             raise ValueError("give a list of strings, of token ids or of token-id lists, not a mix")
         if list in kinds and any(not x for x in v):
             raise ValueError("a token-id prompt is empty")
+        ids = [i for x in v for i in (x if isinstance(x, list) else [x])]
+        negative = next((i for i in ids if type(i) is int and i < 0), None)
+        if negative is not None:
+            raise ValueError(f"token ids are never negative; got {negative}")
         num_ids = sum(len(x) for x in v) if list in kinds else len(v) if int in kinds else 0
         if num_ids > MAX_PROMPT_IDS:
             raise ValueError(f"at most {MAX_PROMPT_IDS} token ids in all")
