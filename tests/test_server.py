@@ -420,6 +420,44 @@ def test_a_conversation_reuses_its_earlier_turns_exactly(small: LoadedModel) -> 
         assert third.choices[0].message.content == turn(full, 6).choices[0].message.content
 
 
+def test_a_tool_result_after_the_question_is_read_as_its_context(small: LoadedModel) -> None:
+    """Retrieval as a tool: the user asks, the assistant calls a tool, the tool returns the
+    passages, and the answer is asked for with the tool's result last. The result's passages
+    are chunk-caches read before the question, as when the client sends the same turns with
+    the question last; a passage a tool returned again for another question is reused."""
+    passages = "\n\n".join(f"{d} " * 6 for d in DOCS[:2])  # two passages >= 256 characters
+    ask = {"role": "user", "content": "Which river flows north?"}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "search"}}],
+    }
+    result = {"role": "tool", "tool_call_id": "1", "content": passages}
+    with start_server("cachecraft", loaded=small) as base:
+
+        def send(*messages: dict[str, object]) -> dict[str, object]:
+            body = {"messages": list(messages), "max_tokens": 6, "temperature": 0}
+            r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        tool_last = send(ask, call, result)
+        labels = [c["label"] for c in tool_last["usage"]["cachecraft"]["chunks"]]
+        assert "messages[2].paragraphs[0]" in labels, labels  # a passage the tool returned
+        question_last = send(call, result, ask)  # the same prompt, laid out the same way
+        assert tool_last["usage"]["prompt_tokens"] == question_last["usage"]["prompt_tokens"]
+        answer = tool_last["choices"][0]["message"]["content"]
+        assert answer == question_last["choices"][0]["message"]["content"]
+        other = send({"role": "user", "content": "What is the capital?"}, call, result)
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+        for tail in ([ask, call], [ask, result, {"role": "assistant", "content": "Well"}]):
+            r = httpx.post(
+                base + "/v1/chat/completions", json={"messages": tail, "max_tokens": 2}, timeout=60
+            )
+            assert r.status_code == 400 and "'assistant'" in r.json()["error"]["message"], r.text
+
+
 def test_tokenize_counts_what_usage_counts_and_detokenize_inverts_it(url: str) -> None:
     """vLLM's /tokenize and /detokenize: the prompt a request would prefill (template and
     documents included), so its count is the request's `usage.prompt_tokens`."""

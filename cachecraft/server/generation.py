@@ -59,7 +59,8 @@ def to_rag(
     (`history_chunks`), then the documents -> chunks; the last user message (a completion's
     prompt) -> chunks of the context pasted into it (`pasted_chunks` with the server's
     `pasted_chunk_chars`, none when 0, and `max_document_chars`), the rest of it -> the
-    question."""
+    question. Turns after it (a tool call and its results: retrieval as a tool) join the
+    earlier ones, so the results are chunks read before the question they answer."""
     config = config or ServerConfig()
     if isinstance(body, CompletionRequest):
         prompts = body.prompts()
@@ -70,19 +71,22 @@ def to_rag(
     chunks = _chunks(body.documents)
     system = "\n".join(m.text() for m in body.messages if m.role in ("system", "developer"))
     turns = [(i, m) for i, m in enumerate(body.messages) if m.role in ("user", "assistant", "tool")]
-    if not turns:
+    asked = max((k for k, (_, m) in enumerate(turns) if m.role == "user"), default=None)
+    if asked is None:
         raise BadRequestError("messages: there is no user message; give the question as one")
-    last, message = turns[-1]
-    if message.role != "user":
+    after = turns[asked + 1 :]  # a tool call's turns: the assistant's call, the tool's results
+    if after and after[-1][1].role != "tool":
         raise BadRequestError(
-            f"messages: the last message (after any system ones) must be from the user, not "
-            f"{message.role!r}: this server answers a user's question"
+            f"messages: the last message (after any system ones) must be the user's question "
+            f"or a tool's result for it, not {after[-1][1].role!r}: this server answers a "
+            f"user's question"
         )
+    last, message = turns[asked]
     if not message.text().strip():
         raise BadRequestError(
             f"messages.{last}.content: the user's message, the question, is empty"
         )
-    history = history_chunks([(i, m.role, m.text()) for i, m in turns[:-1]], *split)
+    history = history_chunks([(i, m.role, m.text()) for i, m in turns[:asked] + after], *split)
     where = f"messages[{last}]"
     pasted, question = pasted_chunks(message.text(), where, *split)
     in_system, rest = pasted_chunks(system, "system", *split, keep_question=False)
