@@ -142,28 +142,26 @@ _CHAT_FIELD = re.compile(r"\bmessages(?:\.(\d+))?\b|\bmax_tokens\b|\bmax_complet
 
 
 def responses_field(text: str, request: ResponsesRequest) -> str:
-    """A chat request's field names in `text` as the Responses request's: `messages.2` is
-    `input.1` after the instructions (`instructions` itself, or `input` for a string input),
-    `messages` is `input`, `max_tokens` is `max_output_tokens`."""
+    """A chat request's field names in `text` as the Responses request's (`responses_loc`):
+    `messages.2` is `input.1` after the instructions, `messages` is `input`, `max_tokens` is
+    `max_output_tokens`."""
 
     def name(m: re.Match[str]) -> str:
-        if not m.group(0).startswith("messages"):
-            return "max_output_tokens"
-        if m.group(1) is None:
-            return "input"
-        i = int(m.group(1)) - request.num_leading()
-        if i < 0:
-            return "instructions"
-        return "input" if isinstance(request.input, str) else f"input.{i}"
+        loc = ("messages", int(m.group(1))) if m.group(1) else (m.group(0),)
+        return ".".join(str(part) for part in responses_loc(loc, request))
 
     renamed = _CHAT_FIELD.sub(name, text)
     return renamed.replace("input.content", "input").replace("instructions.content", "instructions")
 
 
 def responses_loc(loc: Sequence[Any], request: ResponsesRequest) -> tuple[Any, ...]:
-    """A chat validation error's location as the Responses request's."""
+    """A chat validation error's location as the Responses request's: message i is input item
+    i - (leading instruction messages), or `instructions` itself, or `input` for a string
+    input; `messages` alone is `input`; the answer-length fields are `max_output_tokens`."""
     if loc and loc[0] in ("max_tokens", "max_completion_tokens"):
         return ("max_output_tokens", *loc[1:])
+    if tuple(loc) == ("messages",):
+        return ("input",)
     if len(loc) < 2 or loc[0] != "messages" or not isinstance(loc[1], int):
         return tuple(loc)
     i = loc[1] - request.num_leading()
