@@ -15,6 +15,8 @@ from cachecraft.errors import BadRequestError
 
 STORE_SETTINGS = frozenset({"storage_dtype", "max_variants_per_chunk"})
 """Settings that were once reuse options and now belong to StoreConfig (a clear error)."""
+SECTIONS = frozenset({"reuse", "calibration"})
+"""The file's top-level keys: ReuseConfig overrides, and how `calibrate` chose alpha."""
 DEFAULT_CONFIG_PATH = Path("cachecraft.json")
 """Where `cachecraft calibrate` writes and every command looks by default (the working dir)."""
 
@@ -52,12 +54,19 @@ def write_config(path: str | Path | None, alpha: float, **calibration: Any) -> P
 
 def load_reuse_overrides(path: str | Path | None = None) -> dict[str, Any]:
     """The "reuse" section of the config file: ReuseConfig field -> value ({} without a file).
-    Unknown fields raise BadRequestError naming them."""
+    Unknown fields, and keys beside the SECTIONS (a reuse option written at the top level is
+    otherwise silently ignored), raise BadRequestError naming them."""
     data = read_config(path)
+    known = {f.name for f in dataclasses.fields(ReuseConfig)}
+    stray = sorted(set(data) - SECTIONS)
+    if stray:
+        hint = ' (reuse options go under "reuse")' if set(stray) & known else ""
+        raise BadRequestError(
+            f"config file: unknown key(s) {stray}{hint}; it holds {sorted(SECTIONS)}"
+        )
     reuse = data.get("reuse", {})
     if not isinstance(reuse, dict):
         raise BadRequestError("config file: 'reuse' must be an object")
-    known = {f.name for f in dataclasses.fields(ReuseConfig)}
     unknown = sorted(set(reuse) - known)
     moved = [k for k in unknown if k in STORE_SETTINGS]
     if moved:

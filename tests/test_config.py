@@ -23,6 +23,15 @@ def test_a_store_setting_in_the_reuse_section_names_the_store(tmp_path: Path) ->
         load_reuse_overrides(path)
 
 
+def test_a_reuse_option_outside_the_reuse_section_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "cachecraft.json"
+    path.write_text(json.dumps({"alpha": 0.3, "calibration": {"target": 0.9}}))
+    with pytest.raises(BadRequestError, match=r"\['alpha'\] \(reuse options go under"):
+        load_reuse_overrides(path)
+    path.write_text(json.dumps({"reuse": {"alpha": 0.3}, "calibration": {}}))
+    assert load_reuse_overrides(path) == {"alpha": 0.3}
+
+
 def test_flags_override_the_file() -> None:
     assert merge_overrides({"alpha": 0.1, "epic_k": 8}, alpha=0.3) == {"alpha": 0.3, "epic_k": 8}
     assert merge_overrides({"alpha": 0.1}, alpha=None) == {"alpha": 0.1}
