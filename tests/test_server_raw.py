@@ -11,12 +11,14 @@ import httpx
 import pytest
 import torch
 from conftest import make_tiny_dir
+from pydantic import ValidationError
 from test_server_faults import CTX, openai_error, serving
 
 from cachecraft.engine.sampling import prompt_token_logprobs
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.model.reference import prefill
 from cachecraft.server.config import ServerConfig
+from cachecraft.server.protocol import MAX_PROMPT_IDS, CompletionRequest
 
 TEXT = "The Eiffel Tower stands in Paris. Mount Everest is the highest mountain. " * 8
 
@@ -159,3 +161,12 @@ def test_bad_raw_prompts_are_named(small: LoadedModel) -> None:
         long = [1] * (CTX + 1)
         err = openai_error(post(s.url, {"prompt": long, "max_tokens": 1}), 400)
         assert "context" in err["message"]
+
+
+def test_token_id_prompts_are_capped_in_all() -> None:
+    half = MAX_PROMPT_IDS // 2
+    assert len(CompletionRequest(prompt=[[1] * half, [2] * half]).prompts()) == 2  # at the cap
+    for prompt in ([1] * (MAX_PROMPT_IDS + 1), [[1] * half, [2] * (half + 1)]):
+        with pytest.raises(ValidationError, match=f"at most {MAX_PROMPT_IDS} token ids in all"):
+            CompletionRequest(prompt=prompt)
+    assert CompletionRequest(prompt=["a prompt"] * 3).prompts() == ["a prompt"] * 3

@@ -268,12 +268,11 @@ class CompletionRequest(_Generation):
             raise ValueError("give a list of strings, of token ids or of token-id lists, not a mix")
         if list in kinds and any(not x for x in v):
             raise ValueError("a token-id prompt is empty")
-        ids = [i for x in v for i in (x if isinstance(x, list) else [x])]
+        ids = [] if str in kinds else [i for x in v for i in (x if isinstance(x, list) else [x])]
         negative = next((i for i in ids if type(i) is int and i < 0), None)
         if negative is not None:
             raise ValueError(f"token ids are never negative; got {negative}")
-        num_ids = sum(len(x) for x in v) if list in kinds else len(v) if int in kinds else 0
-        if num_ids > MAX_PROMPT_IDS:
+        if len(ids) > MAX_PROMPT_IDS:
             raise ValueError(f"at most {MAX_PROMPT_IDS} token ids in all")
         return v
 
