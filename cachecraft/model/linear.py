@@ -18,6 +18,13 @@ alternating): one row plain 38.5 ms vs packed 46.5, two rows 41.7 vs 51.4, four 
 
 bf16 is the other way round (`PACKED_BF16_MAX_ROWS`): packed is faster for small products (a
 decode step, a probe) and not for a long prefill's, so those read the plain weight.
+
+Not everywhere so in fp32: on an AMD EPYC with AVX2 only (twenty-fourth session, SmolLM2's
+layer products, plain / packed time) one thread 1.25 at 16 rows, 0.97 at 64, 0.93 at 256,
+0.86-0.88 from 512 on; two threads 1.57 / 1.23 / 0.99 at 16 / 64 / 256 and 0.89-0.95 from 512
+on. Choosing per machine at start-up was tried and left out: a timing of layer 0 there swung
+between 0.94 and 1.01 at 512 rows from one process to the next, so the kernel a prompt ran on
+would have changed from run to run for a 5-10% gain on long prefills alone.
 """
 
 from __future__ import annotations
