@@ -301,6 +301,17 @@ def test_unsupported_or_invalid_chat_fields_are_named(srv: Served, field: str, v
     assert err["param"] == field and field in err["message"]
 
 
+def test_tools_offered_with_tool_choice_none_are_answered_without_a_call(srv: Served) -> None:
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    plain = srv.post(CHAT, chat(max_tokens=4, temperature=0)).json()
+    got = srv.post(CHAT, chat(max_tokens=4, temperature=0, tools=tools, tool_choice="none"))
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+    for extra in ({"tool_choice": "auto"}, {}):
+        err = openai_error(srv.post(CHAT, chat(tools=tools, **extra)), 400)
+        assert err["param"] == "tools", err
+
+
 @pytest.mark.parametrize(
     "field, value", [("best_of", 2), ("suffix", "end"), ("logprobs", 21), ("tools", [{}])]
 )

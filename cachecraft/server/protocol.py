@@ -365,13 +365,21 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+_TOOL_FIELDS = frozenset({"tools", "functions", "parallel_tool_calls"})
+"""Harmless beside `tool_choice: "none"`: the client offers tools and asks for no call, which
+is every answer this server gives (an agent's last turn, after its tool results)."""
+
+
 def unsupported_fields(
     body: BaseModel, table: dict[str, tuple[Any, ...]] | None = None
 ) -> list[str]:
     """Names of fields in the request that ask for something this server does not do: those
     of `table` (default: OpenAI's and vLLM's, `_UNSUPPORTED`) present with a value other than
-    their "not asked" ones."""
+    their "not asked" ones; with the default table, tools offered with `tool_choice: "none"`
+    (`_TOOL_FIELDS`) are not."""
     extra = body.model_extra or {}
+    if table is None and extra.get("tool_choice") == "none":
+        extra = {k: v for k, v in extra.items() if k not in _TOOL_FIELDS}
     bad = []
     for name, harmless in (_UNSUPPORTED if table is None else table).items():
         if name in extra and not any(
