@@ -131,7 +131,7 @@ def test_documents_are_reused_through_it(srv: Served) -> None:
         ({"input": "  "}, "input"),
         ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": []}, "input"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "Hi", "text": {"format": {"type": "json_object"}}}, "text"),
@@ -142,6 +142,36 @@ def test_errors_name_the_responses_fields(srv: Served, body: dict[str, Any], par
     err = openai_error(post(srv.url, body, "/v1/responses"), 400)
     assert err["param"] == param
     assert "messages." not in err["message"] and "max_tokens" not in err["message"]
+
+
+def test_function_call_outputs_are_the_chat_tool_results(srv: Served) -> None:
+    """An agent's last turn: the question, the call the model made, the client's result of it,
+    tools offered with no call asked for; answered as the chat path answers those turns."""
+    tools = [{"type": "function", "name": "search", "parameters": {}}]
+    got = sdk(srv).responses.create(
+        model="cachecraft",
+        input=[
+            {"role": "user", "content": "Where is the tower?"},
+            {"type": "function_call", "call_id": "c1", "name": "search", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": PASSAGE},
+        ],
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_output_tokens=6,
+        extra_body={"ignore_eos": True},
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+    want = chat(
+        srv,
+        [
+            {"role": "user", "content": "Where is the tower?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": PASSAGE},
+        ],
+        6,
+    )
+    assert got.output_text == want["choices"][0]["message"]["content"]
+    assert got.usage.input_tokens == want["usage"]["prompt_tokens"]
 
 
 def test_a_prompt_over_the_cap_names_input(srv: Served) -> None:

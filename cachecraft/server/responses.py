@@ -2,7 +2,8 @@
 
 A Responses request becomes a chat completion request: `instructions` the system message,
 `input` (a string, or messages whose `input_text` parts are read like a chat's text parts:
-each part a chunk) the turns, `max_output_tokens` its `max_tokens`; every other field passes
+each part a chunk; a `function_call` item the assistant's tool call, a `function_call_output`
+item the tool's result) the turns, `max_output_tokens` its `max_tokens`; every other field passes
 on (sampling, `documents`, `cache_namespace`, `cachecraft_mode`, ...). The chat answer becomes
 a Response object, its stream the Responses stream events (`response.created`, ...,
 `response.output_text.delta`, ..., `response.completed`). Nothing is stored, as in vLLM by
@@ -62,6 +63,26 @@ class InputMessage(_Lenient):
     content: StrictStr | list[InputPart]
 
 
+class FunctionCall(_Lenient):
+    """A tool call the model made (the client ran it): the chat's assistant turn with it."""
+
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr = ""
+
+
+class FunctionCallOutput(_Lenient):
+    """The client's result of a tool call: the chat's `tool` message (read as context)."""
+
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr
+
+
+_ITEM_TYPES = ("message", "function_call", "function_call_output")
+
+
 def _readable(items: list[Any]) -> None:
     """Name the first input item or content part this server cannot read (a tool call's
     output, an image, a file) instead of reporting that it failed every branch of a union."""
@@ -69,8 +90,11 @@ def _readable(items: list[Any]) -> None:
         if not isinstance(item, dict):
             continue
         kind = item.get("type", "message")
-        if kind != "message":
-            raise ValueError(f"item {i} has type {kind!r}: this server reads messages only")
+        if kind not in _ITEM_TYPES:
+            raise ValueError(
+                f"item {i} has type {kind!r}: this server reads messages and function call "
+                f"outputs only"
+            )
         for j, part in enumerate(
             item.get("content") if isinstance(item.get("content"), list) else ()
         ):
@@ -83,7 +107,7 @@ def _readable(items: list[Any]) -> None:
 
 class ResponsesRequest(_Lenient):
     model: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
-    input: StrictStr | list[InputMessage]
+    input: StrictStr | list[InputMessage | FunctionCall | FunctionCallOutput]
     instructions: StrictStr | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31)
     stream: StrictBool = False
@@ -118,12 +142,19 @@ class ResponsesRequest(_Lenient):
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         for m in self.input if isinstance(self.input, list) else ():
-            content = (
-                m.content
-                if isinstance(m.content, str)
-                else [{"type": "text", "text": p.text} for p in m.content]
-            )
-            messages.append({"role": m.role, "content": content})
+            if isinstance(m, FunctionCall):
+                call = {"name": m.name, "arguments": m.arguments}
+                tool_calls = [{"id": m.call_id, "type": "function", "function": call}]
+                messages.append({"role": "assistant", "content": None, "tool_calls": tool_calls})
+            elif isinstance(m, FunctionCallOutput):
+                messages.append({"role": "tool", "tool_call_id": m.call_id, "content": m.output})
+            else:
+                content = (
+                    m.content
+                    if isinstance(m.content, str)
+                    else [{"type": "text", "text": p.text} for p in m.content]
+                )
+                messages.append({"role": m.role, "content": content})
         extra = dict(self.model_extra or {})
         for name in (*_DROPPED, *_REFUSED):
             extra.pop(name, None)
