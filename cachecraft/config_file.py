@@ -15,8 +15,6 @@ from cachecraft.errors import BadRequestError
 
 STORE_SETTINGS = frozenset({"storage_dtype", "max_variants_per_chunk"})
 """Settings that were once reuse options and now belong to StoreConfig (a clear error)."""
-SECTIONS = frozenset({"reuse", "calibration"})
-"""The file's top-level keys: ReuseConfig overrides, and how `calibrate` chose alpha."""
 DEFAULT_CONFIG_PATH = Path("cachecraft.json")
 """Where `cachecraft calibrate` writes and every command looks by default (the working dir)."""
 
@@ -54,15 +52,15 @@ def write_config(path: str | Path | None, alpha: float, **calibration: Any) -> P
 
 def load_reuse_overrides(path: str | Path | None = None) -> dict[str, Any]:
     """The "reuse" section of the config file: ReuseConfig field -> value ({} without a file).
-    Unknown fields, and keys beside the SECTIONS (a reuse option written at the top level is
-    otherwise silently ignored), raise BadRequestError naming them."""
+    Unknown fields, and reuse options written at the top level (ignored there otherwise; other
+    top-level keys are the file owner's and stay), raise BadRequestError naming them."""
     data = read_config(path)
     known = {f.name for f in dataclasses.fields(ReuseConfig)}
-    stray = sorted(set(data) - SECTIONS)
-    if stray:
-        hint = ' (reuse options go under "reuse")' if set(stray) & known else ""
+    misplaced = sorted(set(data) & known)
+    if misplaced:
         raise BadRequestError(
-            f"config file: unknown key(s) {stray}{hint}; it holds {sorted(SECTIONS)}"
+            f'config file: {misplaced} at the top level; reuse options go under "reuse" '
+            f'({{"reuse": {{"{misplaced[0]}": ...}}}})'
         )
     reuse = data.get("reuse", {})
     if not isinstance(reuse, dict):

@@ -26,9 +26,9 @@ def test_a_store_setting_in_the_reuse_section_names_the_store(tmp_path: Path) ->
 def test_a_reuse_option_outside_the_reuse_section_is_named(tmp_path: Path) -> None:
     path = tmp_path / "cachecraft.json"
     path.write_text(json.dumps({"alpha": 0.3, "calibration": {"target": 0.9}}))
-    with pytest.raises(BadRequestError, match=r"\['alpha'\] \(reuse options go under"):
+    with pytest.raises(BadRequestError, match=r"\['alpha'\] at the top level; reuse options"):
         load_reuse_overrides(path)
-    path.write_text(json.dumps({"reuse": {"alpha": 0.3}, "calibration": {}}))
+    path.write_text(json.dumps({"reuse": {"alpha": 0.3}, "calibration": {}, "mine": 1}))
     assert load_reuse_overrides(path) == {"alpha": 0.3}
 
 
