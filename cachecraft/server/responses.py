@@ -84,16 +84,16 @@ _ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
 def _readable(items: list[Any]) -> None:
-    """Name the first input item or content part this server cannot read (a tool call's
-    output, an image, a file) instead of reporting that it failed every branch of a union."""
+    """Name the first input item or content part this server cannot read (reasoning, an
+    image, a file) instead of reporting that it failed every branch of a union."""
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             continue
         kind = item.get("type", "message")
         if kind not in _ITEM_TYPES:
             raise ValueError(
-                f"item {i} has type {kind!r}: this server reads messages and function call "
-                f"outputs only"
+                f"item {i} has type {kind!r}: this server reads messages, function calls and "
+                f"their outputs only"
             )
         for j, part in enumerate(
             item.get("content") if isinstance(item.get("content"), list) else ()
