@@ -22,9 +22,11 @@ decode step, a probe) and not for a long prefill's, so those read the plain weig
 Not everywhere so in fp32: on an AMD EPYC with AVX2 only (twenty-fourth session, SmolLM2's
 layer products, plain / packed time) one thread 1.25 at 16 rows, 0.97 at 64, 0.93 at 256,
 0.86-0.88 from 512 on; two threads 1.57 / 1.23 / 0.99 at 16 / 64 / 256 and 0.89-0.95 from 512
-on. Choosing per machine at start-up was tried and left out: a timing of layer 0 there swung
-between 0.94 and 1.01 at 512 rows from one process to the next, so the kernel a prompt ran on
-would have changed from run to run for a 5-10% gain on long prefills alone.
+on. Reading the plain weight from 512 rows on was tried twice and left out. Chosen by a timing
+at start-up, the timing of layer 0 swung between 0.94 and 1.01 at 512 rows from one process to
+the next, so the kernel a prompt ran on would change from run to run. Chosen by the CPU's
+instruction set (AVX2), a whole one-thread prefill on the idle VM went 2.01 -> 2.04 s at 600
+tokens and 8.26 -> 8.02 s at 2,048: in the model the products' gain is mostly gone.
 """
 
 from __future__ import annotations
