@@ -173,6 +173,11 @@ def test_function_call_outputs_are_the_chat_tool_results(srv: Served) -> None:
     assert got.output_text == want["choices"][0]["message"]["content"]
     assert got.usage.input_tokens == want["usage"]["prompt_tokens"]
 
+    bad = {"input": [{"type": "function_call_output", "call_id": "c1"}]}  # no output
+    err = openai_error(post(srv.url, bad, "/v1/responses"), 400)
+    assert "input.0.function_call_output.output: Field required" in err["message"], err
+    assert "InputMessage" not in err["message"] and "FunctionCall" not in err["message"]
+
 
 def test_a_prompt_over_the_cap_names_input(srv: Served) -> None:
     body = {"input": "Hi", "instructions": "x" * 40_000}  # max_prompt_chars: 32,000

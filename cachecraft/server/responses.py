@@ -18,9 +18,9 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictInt, field_validator
+from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag, field_validator
 
 from cachecraft.server.protocol import MAX_ID_CHARS, StrictStr, _Lenient, unsupported_fields
 
@@ -83,6 +83,23 @@ class FunctionCallOutput(_Lenient):
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
+def _item_type(item: Any) -> str:
+    """An input item's `type` (a message may leave it out)."""
+    if isinstance(item, dict):
+        return str(item.get("type", "message"))
+    return str(getattr(item, "type", "message"))
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCall, Tag("function_call")]
+    | Annotated[FunctionCallOutput, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+"""One `input` item, validated as the kind its `type` names (so a bad item's error names its
+own missing or wrong field, not every kind it failed to be)."""
+
+
 def _readable(items: list[Any]) -> None:
     """Name the first input item or content part this server cannot read (reasoning, an
     image, a file) instead of reporting that it failed every branch of a union."""
@@ -107,7 +124,7 @@ def _readable(items: list[Any]) -> None:
 
 class ResponsesRequest(_Lenient):
     model: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
-    input: StrictStr | list[InputMessage | FunctionCall | FunctionCallOutput]
+    input: StrictStr | list[InputItem]
     instructions: StrictStr | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31)
     stream: StrictBool = False
