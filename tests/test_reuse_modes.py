@@ -195,6 +195,18 @@ def test_probe_blend_keeps_question_attention_when_stored_scores_are_zero() -> N
     assert r.chunks[1].recompute == (2, 4)
 
 
+def test_a_budget_split_across_chunks_rounds_cfo_up_once() -> None:
+    # CFO x |C| = 0.55 x 4 = 2.2 for A and 0.44 x 5 = 2.2 for B: per chunk 3 + 3, pooled 5.
+    lay = layout("X", "A", "B")
+    variants = {"A": [variant("A", ("Y",), cci=0.55)], "B": [variant("B", ("C",), cci=0.44)]}
+    for split, total in (("global", 5), ("need", 5), ("chunk", 6)):
+        p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, probe_split=split))
+        assert [c.budget for c in p.chunks[1:]] == [3, 3]
+        assert p.probe is not None and p.probe.total == total, split
+    given = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0), budgets=[None, 1, None])
+    assert given.probe is not None and given.probe.total == 1 + 3  # given 1, B's 2.2 rounded up
+
+
 def test_probe_splits_chunk_and_global() -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("X",), cci=0.6)]}

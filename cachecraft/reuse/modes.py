@@ -289,8 +289,7 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
             budget, reason = _budget(inp, i, fix_count(score.cfo, slot.num_tokens))
             reason = "cfo" if reason == "mode" else reason
             chunks.append(hit(slot, score, (), reason, budget=budget, select="probe"))
-    probed = [c for c in chunks if c.select == "probe"]
-    total = sum(c.budget for c in probed)
+    total = _pooled_total(inp, chunks)
     if not total:  # nothing to recompute: no probe to steer it
         return _plan(inp, "cachecraft", [_planned(c) for c in chunks])
     cost = probe_cost(inp.layout, inp.prefix_hit, config, inp.num_layers)
@@ -299,6 +298,18 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
     focus = config.focus_threshold if config.early_termination else 0.0
     probe = _probe(inp, total, config.probe_split, focus, config.probe_check, config.probe_sink)
     return _plan(inp, "cachecraft", chunks, probe=probe)
+
+
+def _pooled_total(inp: PlanInput, chunks: Sequence[ChunkPlan]) -> int:
+    """The probe's budget: the chunks' budgets added up, except that under a split across
+    chunks ('need', 'global') the CFO budgets are rounded up once, as a sum of CFO x |C|, and
+    not once per chunk (ten short chunks would each add up to a token)."""
+    probed = [c for c in chunks if c.select == "probe"]
+    if inp.config.probe_split == "chunk":
+        return sum(c.budget for c in probed)
+    given = sum(c.budget for c in probed if c.reason == "given")
+    cfo = sum((c.cfo or 0.0) * c.slot.num_tokens for c in probed if c.reason == "cfo")
+    return given + max(math.ceil(cfo - 1e-9), 0)
 
 
 def _planned(c: ChunkPlan) -> ChunkPlan:
