@@ -266,6 +266,10 @@ def test_messages_a_client_may_send(small: LoadedModel) -> None:
         err = openai_error(r, 400)
         assert err["param"] == "messages.0.content" and "'image_url'" in err["message"], err
         assert "valid string" not in err["message"]
+        r = httpx.post(s.url + CHAT, json=chat(content=[{"type": "text"}]), timeout=T)  # type: ignore[arg-type]
+        err = openai_error(r, 400)  # the list failed inside: its part is named, not its type
+        assert err["message"] == "messages.0.content.0.text: Field required", err
+        assert err["param"] == "messages.0.content.0.text", err
 
         body = {"model": "cachecraft", "prompt": [1, 2, 3], "max_tokens": 2}
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=T)

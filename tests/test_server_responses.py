@@ -177,6 +177,9 @@ def test_function_call_outputs_are_the_chat_tool_results(srv: Served) -> None:
     err = openai_error(post(srv.url, bad, "/v1/responses"), 400)
     assert "input.0.function_call_output.output: Field required" in err["message"], err
     assert "InputMessage" not in err["message"] and "FunctionCall" not in err["message"]
+    # a list is not "a valid string": only what is wrong inside it is named
+    assert err["message"].startswith("input.0.") and "valid string" not in err["message"], err
+    assert err["param"] == "input.0.function_call_output.output", err
 
 
 def test_a_prompt_over_the_cap_names_input(srv: Served) -> None:

@@ -100,12 +100,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             why = err.get("ctx", {}).get("error", err.get("msg"))
             return f"malformed JSON: {why}", None
         by_loc.setdefault(_clean_loc(tuple(err.get("loc", ()))), []).append(err)
+    by_loc = _deepest(by_loc)
     parts = []
     for loc, errs in by_loc.items():
         preferred = [e for e in errs if e.get("type") == "value_error"] or errs
         msgs = dict.fromkeys(str(e.get("msg")).removeprefix("Value error, ") for e in preferred)
         parts.append(f"{loc or 'body'}: {' or '.join(msgs)}")
     return "; ".join(parts) or "invalid request", next(iter(by_loc), None) or None
+
+
+def _deepest(by_loc: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Without a field's type mismatches when its value had the other branch's type and
+    failed inside it: `input` given as a list is not "a valid string", its item 0 is what
+    went wrong."""
+    deeper = [loc for loc in by_loc if "." in loc]
+    out = {}
+    for loc, errs in by_loc.items():
+        inside = loc and any(d.startswith(loc + ".") for d in deeper)
+        kept = [e for e in errs if not (inside and str(e.get("type", "")).endswith("_type"))]
+        if kept:
+            out[loc] = kept
+    return out
 
 
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
