@@ -170,6 +170,7 @@ def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
         assert result["burst"][m]["num_completed"] == 3
         assert tput[m] == max(runs.values()) == runs[result["max_throughput_run"][m]]
         assert result["computed_tokens_per_s"][m] is not None
+        assert result["work_tokens_per_s"][m] >= result["computed_tokens_per_s"][m]
     assert result["throughput_ratio_vs_vllm"] == round(tput["cachecraft"] / tput["vllm"], 3)
     for key in ("throughput_ratio_vs_prefix", "e2e_p50_ratio_vllm_over_cachecraft"):
         assert result[key] is not None

@@ -40,6 +40,9 @@ class RequestResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     computed_tokens: int | None = None
+    work_tokens: float | None = None
+    """Full-depth rows the prefill ran: computed tokens plus the probe's rows and the check's
+    candidates by the share of layers they ran (our server's report; else computed_tokens)."""
     text: str = ""
     error: str | None = None
 
@@ -66,6 +69,11 @@ def _apply_usage(res: RequestResult, usage: dict[str, Any]) -> None:
         res.computed_tokens = int(report["tokens_computed"])
     elif res.prompt_tokens is not None and res.cached_tokens is not None:
         res.computed_tokens = res.prompt_tokens - res.cached_tokens
+    fraction, prompt = report.get("layer_fraction"), report.get("prompt_tokens")
+    if fraction is not None and prompt is not None:
+        res.work_tokens = float(fraction) * int(prompt) + float(report.get("probe_cost") or 0.0)
+    else:
+        res.work_tokens = None if res.computed_tokens is None else float(res.computed_tokens)
 
 
 def _chunk_text(event: dict[str, Any]) -> str:
@@ -201,6 +209,7 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
     known = [r for r in ok if r.prompt_tokens is not None and r.computed_tokens is not None]
     prompt = sum(r.prompt_tokens or 0 for r in known)
     computed = sum(r.computed_tokens or 0 for r in known)
+    work = sum(r.work_tokens or 0.0 for r in known)
     lags = [r.sent_s - r.scheduled_s for r in results if r.sent_s is not None]
     return {
         "num_requests": len(results),
@@ -217,5 +226,6 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
         "prompt_tokens": prompt if known else None,
         "computed_tokens": computed if known else None,
         "computed_fraction": round(computed / prompt, 4) if prompt else None,
+        "work_tokens": round(work, 1) if known else None,
         "send_lag_ms_max": _ms(max(lags, default=0.0)),
     }

@@ -197,9 +197,12 @@ def _server_context(start_server: ServerFactory | Mapping[str, str], mode: str) 
 
 
 def _with_rate(summary: dict[str, Any]) -> dict[str, Any]:
-    """Adds computed prompt tokens per second (over the run's makespan)."""
-    computed, span = summary.get("computed_tokens"), summary.get("makespan_s")
-    summary["computed_tokens_per_s"] = round(computed / span, 1) if computed and span else None
+    """Adds computed prompt tokens and work tokens (loadgen.RequestResult.work_tokens) per
+    second, over the run's makespan."""
+    span = summary.get("makespan_s")
+    for key in ("computed_tokens", "work_tokens"):
+        done = summary.get(key)
+        summary[f"{key}_per_s"] = round(done / span, 1) if done and span else None
     return summary
 
 
@@ -438,7 +441,8 @@ def run_serve_bench(
     }
     result["max_throughput_rps"] = {m: best[m][1]["throughput_rps"] for m in systems}
     result["max_throughput_run"] = {m: best[m][0] for m in systems}
-    result["computed_tokens_per_s"] = {m: best[m][1].get("computed_tokens_per_s") for m in systems}
+    for key in ("computed_tokens_per_s", "work_tokens_per_s"):
+        result[key] = {m: best[m][1].get(key) for m in systems}
     sustained = [result["sustained_rate"][m] for m in systems]
     common = min(sustained) if all(r is not None for r in sustained) else None  # type: ignore[type-var]
     result["common_rate"] = common if common is not None else rates[0]

@@ -177,6 +177,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         "e2e p50/p95 ms",
         "computed",
         "computed tok/s",
+        "work tok/s",
         "rej/err",
     ):
         table.add_column(col, justify="right")
@@ -194,11 +195,18 @@ def main_serve_bench(args: argparse.Namespace) -> int:
                 f"{s['e2e_ms_p50']} / {s['e2e_ms_p95']}",
                 "-" if frac is None else f"{frac:.3f}",
                 str(s.get("computed_tokens_per_s")),
+                str(s.get("work_tokens_per_s")),
                 f"{s['num_rejected']}/{s['num_errors']}",
             )
     console = Console()
     console.print(table)
-    keys = ("max_throughput_rps", "max_throughput_run", "computed_tokens_per_s", "sustained_rate")
+    keys = (
+        "max_throughput_rps",
+        "max_throughput_run",
+        "computed_tokens_per_s",
+        "work_tokens_per_s",
+        "sustained_rate",
+    )
     for key in (*keys, "saturated"):
         console.print(f"{key}: {result[key]}")
     common = result["common_rate"]
