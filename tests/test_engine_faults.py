@@ -206,7 +206,10 @@ def test_a_failed_shared_probe_pass_runs_each_probe_alone(tiny: LoadedModel) -> 
     model = FailsBatchedProbes(tiny.model)
     loaded = dataclasses.replace(tiny, model=model)
     engine = Engine(
-        Runner(loaded, MemoryStore(1 << 30, storage_dtype="float32")),
+        # probes run whatever their cost, so both requests probe (not a check instead)
+        Runner(
+            loaded, MemoryStore(1 << 30, storage_dtype="float32"), reuse_config(probe_max_cost=None)
+        ),
         EngineConfig(mode="cachecraft"),
     ).start()
     try:

@@ -113,10 +113,9 @@ def _deepest(by_loc: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str
     """Without a field's type mismatches when its value had the other branch's type and
     failed inside it: `input` given as a list is not "a valid string", its item 0 is what
     went wrong."""
-    deeper = [loc for loc in by_loc if "." in loc]
     out = {}
     for loc, errs in by_loc.items():
-        inside = loc and any(d.startswith(loc + ".") for d in deeper)
+        inside = loc and any(d.startswith(loc + ".") for d in by_loc)
         kept = [e for e in errs if not (inside and str(e.get("type", "")).endswith("_type"))]
         if kept:
             out[loc] = kept
