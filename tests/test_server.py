@@ -257,6 +257,16 @@ def test_limits_and_context(url: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         c.chat.completions.create(model="cachecraft", messages=[{"role": "user", "content": long}])
     assert f"context is {CTX} tokens" in str(info.value) and "prompt needs" in str(info.value)
+    # a max_tokens past the room the prompt leaves is cut to that room, not refused
+    near = " ".join(["word"] * 480)
+    out = c.chat.completions.create(
+        model="cachecraft",
+        messages=[{"role": "user", "content": near}],
+        max_tokens=10_000,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == CTX + 1
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="gpt-4", prompt="hi")
     assert ask(url, 3).choices[0].message.content is not None  # still alive
