@@ -133,7 +133,7 @@ def test_far_apart_lengths_split_into_groups(tiny: LoadedModel) -> None:
 @pytest.mark.parametrize("transposed_keys", [True, False])
 def test_pool_slots_growth_and_release(tiny: LoadedModel, transposed_keys: bool) -> None:
     arch = tiny.arch
-    pool = KVPool(arch, 3, torch.float32, "cpu", 1 << 30, transposed_keys)
+    pool = KVPool(arch, 3, torch.float32, "cpu", 1 << 30, transposed_keys, reserve=False)
     a = pool.acquire(10)
     b = pool.acquire(10)
     assert a is not None and b is not None and (a.slot, b.slot) == (0, 1)
@@ -160,6 +160,22 @@ def test_pool_slots_growth_and_release(tiny: LoadedModel, transposed_keys: bool)
     d = pool.acquire(4)
     assert d is not None and d.slot == 1  # the lowest free slot
     pool.check_integrity()
+
+
+def test_a_cpu_pool_reserves_its_room_once_and_never_moves(tiny: LoadedModel) -> None:
+    arch = tiny.arch
+    budget = 3 * 1000 * 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
+    pool = KVPool(arch, 3, torch.float32, "cpu", budget)
+    a = pool.acquire(10)
+    assert a is not None and pool.capacity == 1000  # all that fits the budget, at once
+    a.k[:, :, :10] = 3.0
+    address = pool.k.data_ptr()
+    b = pool.acquire(900)  # a longer sequence: no growth, no copy, a untouched
+    assert b is not None and pool.k.data_ptr() == address and pool.capacity == 1000
+    assert bool((a.k[:, :, :10] == 3.0).all()) and not bool(b.k.any())
+    assert pool.acquire(1001) is None  # past the budget: the caller keeps a cache of its own
+    whole = KVPool(arch, 3, torch.float32, "cpu", 1 << 40)
+    assert whole.acquire(1) is not None and whole.capacity == arch.max_position_embeddings
 
 
 def test_pool_refuses_past_its_byte_budget(tiny: LoadedModel) -> None:

@@ -14,6 +14,14 @@ grows (all slots at once) when a sequence needs more positions; `acquire` refuse
 when no slot is free or growing would pass `max_bytes`, and the caller then uses a plain
 KVCache of its own.
 
+On a CPU the pool's pages are taken only when first written (`lazy_zeros`), so its first growth
+reserves every position that `max_bytes` and the context allow (`reserve`) and it never grows
+again. Growing copies every live slot into fresh pages: with ten 938-position slots live, a
+doubling stalled every stream for 1.5-2.8 s, mostly in page faults (the same copy into touched
+pages takes 0.1 s), and the old pool's pages were all faulted in once more afterwards. A
+sequence's K/V still take only the pages it writes (for keys, whole pages of each head-dim row,
+as already after the first doubling past 1,024 positions).
+
 bfloat16 keeps its keys as they come, k [layers, slots, Hkv, capacity, D] (`transposed_keys`
 False): its batched matmuls copy every strided key and value slice before multiplying (a
 B=16 decode step spent 23 of 73 ms in those copies), while SDPA reads a slot range of
@@ -43,8 +51,11 @@ class KVPool:
         device: torch.device | str,
         max_bytes: int,
         transposed_keys: bool | None = None,
+        reserve: bool | None = None,
     ) -> None:
-        """transposed_keys: store keys transposed (None: all dtypes but bfloat16)."""
+        """transposed_keys: store keys transposed (None: all dtypes but bfloat16). reserve:
+        the first growth takes every position that fits `max_bytes` and the context, so the
+        pool never grows (copies) again (None: on a CPU, where untouched pages cost nothing)."""
         if num_slots < 1:
             raise ValueError(f"a KV pool needs at least one slot, got {num_slots}")
         self.arch = arch
@@ -54,6 +65,7 @@ class KVPool:
         if transposed_keys is None:
             transposed_keys = dtype != torch.bfloat16
         self.transposed_keys = transposed_keys
+        self.reserve = torch.device(device).type == "cpu" if reserve is None else reserve
         shape = (arch.num_layers, num_slots, arch.num_kv_heads, 0, arch.head_dim)
         self._keys = torch.zeros(self._key_shape(shape), dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -115,14 +127,16 @@ class KVPool:
         kv.k, kv.v = kv.k[:, :, :0], kv.v[:, :, :0]
 
     def grow(self, capacity: int) -> None:
-        """At least `capacity` positions per slot: doubling while that fits `max_bytes` (fewer
-        reallocations), else exactly `capacity` (a pooled cache is never refused growth);
+        """At least `capacity` positions per slot: with `reserve` all that fit `max_bytes` and
+        the context, else doubling while that fits `max_bytes` (fewer reallocations), else
+        exactly `capacity` (a pooled cache is never refused growth);
         live slots' contents kept, every live cache re-pointed. Free slots are not copied (a
         slot is empty when handed out): growing a 16-slot pool with one request in it copies
         one slot, not sixteen, and the free slots' new pages stay untouched."""
         if capacity <= self.capacity:
             return
-        new_cap = min(max(capacity, 2 * self.capacity), self.max_positions)
+        most = min(self.max_bytes // max(self.bytes_for(1), 1), self.max_positions)
+        new_cap = most if self.reserve else min(max(capacity, 2 * self.capacity), most)
         if self.bytes_for(new_cap) > self.max_bytes:
             new_cap = capacity
         new_cap = max(new_cap, capacity)
