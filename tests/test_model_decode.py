@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,6 +178,34 @@ def test_a_cpu_pool_reserves_its_room_once_and_never_moves(tiny: LoadedModel) ->
     assert pool.acquire(1001) is None  # past the budget: the caller keeps a cache of its own
     whole = KVPool(arch, 3, torch.float32, "cpu", 1 << 40)
     assert whole.acquire(1) is not None and whole.capacity == arch.max_position_embeddings
+
+
+_REFUSED_RESERVATION = """
+import resource, torch
+from cachecraft.model.arch import ModelArch
+from cachecraft.model.kv_pool import KVPool
+arch = ModelArch("llama", 30, 576, 1536, 9, 3, 64, 49152, 1e-5, 8192, True, False, None)
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+pool = KVPool(arch, 16, torch.float32, "cpu", 8 << 30)  # reserving would map 6 GiB
+a = pool.acquire(900)
+assert a is not None and pool.capacity == 900 and not pool.reserve, pool.capacity
+a.k[:, :, :900] = 1.0
+assert pool.acquire(9000) is None  # past the context: refused, not raised
+huge = KVPool(arch, 16, torch.float32, "cpu", 8 << 30, reserve=False)
+assert huge.acquire(5000) is None  # not even the exact size can be mapped: no slot, no raise
+print("fell back")
+"""
+
+
+def test_a_reservation_the_os_refuses_falls_back_to_growing() -> None:
+    # a small machine: the address space is capped 1 GiB above what the process has mapped, so
+    # the OS refuses the 6 GiB reservation (as it refuses a map past RAM + swap) for real
+    done = subprocess.run(
+        [sys.executable, "-c", _REFUSED_RESERVATION], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "fell back" in done.stdout, done.stderr[-2000:]
 
 
 def test_pool_refuses_past_its_byte_budget(tiny: LoadedModel) -> None:

@@ -20,7 +20,8 @@ again. Growing copies every live slot into fresh pages: with ten 938-position sl
 doubling stalled every stream for 1.5-2.8 s, mostly in page faults (the same copy into touched
 pages takes 0.1 s), and the old pool's pages were all faulted in once more afterwards. A
 sequence's K/V still take only the pages it writes (for keys, whole pages of each head-dim row,
-as already after the first doubling past 1,024 positions).
+as already after the first doubling past 1,024 positions). Where the OS refuses so large a map
+(past RAM + swap on a small machine), the pool grows by doubling as before.
 
 bfloat16 keeps its keys as they come, k [layers, slots, Hkv, capacity, D] (`transposed_keys`
 False): its batched matmuls copy every strided key and value slice before multiplying (a
@@ -108,7 +109,10 @@ class KVPool:
         if capacity > self.capacity:
             if self.bytes_for(capacity) > self.max_bytes:
                 return None
-            self.grow(capacity)
+            try:
+                self.grow(capacity)
+            except (OSError, RuntimeError):  # not even `capacity` could be mapped
+                return None
         slot = heapq.heappop(self._free)
         kv = KVCache(self.arch, 0, self.v.dtype, self.v.device)
         kv.pool, kv.slot = self, slot
@@ -129,21 +133,28 @@ class KVPool:
     def grow(self, capacity: int) -> None:
         """At least `capacity` positions per slot: with `reserve` all that fit `max_bytes` and
         the context, else doubling while that fits `max_bytes` (fewer reallocations), else
-        exactly `capacity` (a pooled cache is never refused growth);
-        live slots' contents kept, every live cache re-pointed. Free slots are not copied (a
-        slot is empty when handed out): growing a 16-slot pool with one request in it copies
-        one slot, not sixteen, and the free slots' new pages stay untouched."""
+        exactly `capacity` (a pooled cache is never refused growth). A size the OS refuses to
+        map (a reservation past RAM + swap on a small machine) falls back to the next, and a
+        refused reservation is not tried again. Live slots' contents kept, every live cache
+        re-pointed. Free slots are not copied (a slot is empty when handed out): growing a
+        16-slot pool with one request in it copies one slot, not sixteen, and the free slots'
+        new pages stay untouched."""
         if capacity <= self.capacity:
             return
         most = min(self.max_bytes // max(self.bytes_for(1), 1), self.max_positions)
-        new_cap = most if self.reserve else min(max(capacity, 2 * self.capacity), most)
-        if self.bytes_for(new_cap) > self.max_bytes:
-            new_cap = capacity
-        new_cap = max(new_cap, capacity)
+        doubled = min(max(capacity, 2 * self.capacity), most)
+        sizes = [max(c, capacity) for c in ([most] if self.reserve else []) + [doubled]]
+        for new_cap in [*dict.fromkeys(sizes), capacity]:
+            shape = (*self.v.shape[:3], new_cap, self.v.shape[4])
+            try:
+                keys = lazy_zeros(self._key_shape(shape), self.v.dtype, self.v.device)
+                v = lazy_zeros(shape, self.v.dtype, self.v.device)
+                break
+            except (OSError, RuntimeError):  # mmap's ENOMEM; torch's out of memory
+                if new_cap == capacity:
+                    raise
+                self.reserve = False
         old = self.capacity
-        shape = (*self.v.shape[:3], new_cap, self.v.shape[4])
-        keys = lazy_zeros(self._key_shape(shape), self.v.dtype, self.v.device)
-        v = lazy_zeros(shape, self.v.dtype, self.v.device)
         for slot in self._caches:
             if self.transposed_keys:
                 keys[:, slot, ..., :old] = self._keys[:, slot]
