@@ -143,8 +143,8 @@ class KVPool:
             return
         most = min(self.max_bytes // max(self.bytes_for(1), 1), self.max_positions)
         doubled = min(max(capacity, 2 * self.capacity), most)
-        sizes = [max(c, capacity) for c in ([most] if self.reserve else []) + [doubled]]
-        for new_cap in [*dict.fromkeys(sizes), capacity]:
+        tries = ([most] if self.reserve else []) + [doubled]
+        for new_cap in dict.fromkeys([*(max(c, capacity) for c in tries), capacity]):
             shape = (*self.v.shape[:3], new_cap, self.v.shape[4])
             try:
                 keys = lazy_zeros(self._key_shape(shape), self.v.dtype, self.v.device)
