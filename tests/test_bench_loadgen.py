@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from fake_openai import CHUNK_DELAY_S, NUM_CHUNKS, serve_fake
 
-from cachecraft.bench.loadgen import RequestResult, _apply_usage, replay, summarize
+from cachecraft.bench.loadgen import RequestResult, apply_usage, replay, summarize
 from cachecraft.bench.trace import TraceRequest
 
 
@@ -103,10 +103,10 @@ def test_work_tokens_count_the_probe_and_partial_layers() -> None:
     a server without them (vLLM) did exactly its computed tokens."""
     ours = RequestResult(index=0, id="a", scheduled_s=0.0)
     report = {"tokens_computed": 40, "prompt_tokens": 100, "layer_fraction": 0.45}
-    _apply_usage(ours, {"prompt_tokens": 100, "cachecraft": {**report, "probe_cost": 3.5}})
+    apply_usage(ours, {"prompt_tokens": 100, "cachecraft": {**report, "probe_cost": 3.5}})
     assert ours.computed_tokens == 40 and ours.work_tokens == pytest.approx(48.5)
     peer = RequestResult(index=1, id="b", scheduled_s=0.0)
-    _apply_usage(peer, {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 70}})
+    apply_usage(peer, {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 70}})
     assert peer.computed_tokens == 30 and peer.work_tokens == 30.0
     for r, t in ((ours, 1.0), (peer, 2.0)):
         r.status, r.sent_s, r.finished_s, r.e2e_s = 200, 0.0, t, t

@@ -184,7 +184,12 @@ _REFUSED_RESERVATION = """
 import resource, torch
 from cachecraft.model.arch import ModelArch
 from cachecraft.model.kv_pool import KVPool
-arch = ModelArch("llama", 30, 576, 1536, 9, 3, 64, 49152, 1e-5, 8192, True, False, None)
+arch = ModelArch(  # the bundled model's shape
+    model_type="llama", num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+    num_kv_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
+    max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
+    sliding_window=None,
+)
 with open("/proc/self/statm") as f:
     mapped = int(f.read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))

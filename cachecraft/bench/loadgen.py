@@ -55,7 +55,7 @@ class RequestResult:
         return self.status == 200 and self.error is None and self.e2e_s is not None
 
 
-def _apply_usage(res: RequestResult, usage: dict[str, Any]) -> None:
+def apply_usage(res: RequestResult, usage: dict[str, Any]) -> None:
     """Fill token counts from an OpenAI `usage` object (plus our `usage.cachecraft` report)."""
     if usage.get("prompt_tokens") is not None:
         res.prompt_tokens = int(usage["prompt_tokens"])
@@ -104,7 +104,7 @@ async def _read_stream(resp: httpx.Response, res: RequestResult, t_send: float) 
                 res.ttft_s = time.perf_counter() - t_send
             res.text += text
         if event.get("usage"):
-            _apply_usage(res, event["usage"])
+            apply_usage(res, event["usage"])
     if not res.num_output_tokens:
         res.num_output_tokens = num_chunks  # no usage chunk: one token per content chunk
 
@@ -134,7 +134,7 @@ async def _send(
                     data = json.loads(await resp.aread())
                     res.ttft_s = time.perf_counter() - t_send
                     res.text = _chunk_text(data)
-                    _apply_usage(res, data.get("usage") or {})
+                    apply_usage(res, data.get("usage") or {})
     except TimeoutError:
         res.error = f"timed out after {request_timeout_s:g} s"
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
