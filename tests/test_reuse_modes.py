@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from plan_helpers import make_layout
@@ -139,6 +140,24 @@ def test_refresh_computes_a_stale_chunk_in_full() -> None:
     assert b.recompute == tuple(range(5)) and p.probe is None
     kept = plan("cachecraft", variants, lay, ReuseConfig(refresh_error=0.95)).chunks[1]
     assert kept.is_hit and kept.select == "probe"
+
+
+def test_inherit_error_passes_a_stale_chunk_in_front_down() -> None:
+    # B was cached after (X, A) with equal mass on each; now after (A) alone.
+    b = variant("B", ("X", "A"), cci=0.9, exact=False)  # honest beta after (A): 1 / 2
+    inherit = ReuseConfig(inherit_error=True)
+    # A reused in a new context (cached after Y): its predicted error 0.8 x (1 - 0) = 0.8
+    stale_a = {"A": [variant("A", ("Y",), cci=0.8)], "B": [b]}
+    plain = plan("cachecraft", stale_a, layout("A", "B")).chunks[1]
+    passed = plan("cachecraft", stale_a, layout("A", "B"), inherit).chunks[1]
+    assert plain.beta == pytest.approx(0.5) and plain.error == pytest.approx(0.45)
+    # A's share 1/2 counts by (1 - 0.8): beta 0.5 - 0.5 x 0.8 = 0.1
+    assert passed.beta == pytest.approx(0.1) and passed.error == pytest.approx(0.9 * 0.9)
+    assert passed.cfo > plain.cfo
+    # A computed in full (no variant) or refreshed passes nothing on
+    for variants, config in (({"B": [b]}, inherit), (stale_a, replace(inherit, refresh_error=0.5))):
+        got = plan("cachecraft", variants, layout("A", "B"), config).chunks
+        assert not got[0].is_hit and got[1].beta == pytest.approx(0.5)
 
 
 def _att(p: RecomputePlan, per_chunk: dict[int, list[float]]) -> list:

@@ -51,7 +51,11 @@ class PlanInput:
         slot = self.layout.chunks[i]
         return [v for v in self.variants.get(slot.key, ()) if v.num_tokens == slot.num_tokens]
 
-    def choose(self, i: int, rule: str | None = None) -> VariantScore | None:
+    def choose(
+        self, i: int, rule: str | None = None, inherited: Mapping[str, float] | None = None
+    ) -> VariantScore | None:
+        """The variant for chunk i; inherited: the predicted errors of the chunks in front
+        (`ReuseConfig.inherit_error`)."""
         sizes = [c.num_tokens for c in self.layout.chunks[:i]]
         return choose_variant(
             self.usable(i),
@@ -60,6 +64,7 @@ class PlanInput:
             s_new_sizes=sizes,
             prefix_key=self.layout.prefix_key,
             rule=rule,
+            inherited=inherited,
         )
 
     def given(self, i: int) -> int | None:
@@ -276,9 +281,10 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
     that go on (selectors.select_by_question). A probe costing more than probe_max_cost x the
     budget is replaced by a check of every reused token at budget + probe cost."""
     config = inp.config
-    chunks = []
+    chunks: list[ChunkPlan] = []
+    errors: dict[str, float] | None = {} if config.inherit_error else None
     for i, slot in enumerate(inp.layout.chunks):
-        score = inp.choose(i)
+        score = inp.choose(i, inherited=errors)
         if score is None:
             chunks.append(miss(slot))
         elif (config.refresh_error is not None and score.error > config.refresh_error) or (
@@ -289,6 +295,9 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
             budget, reason = _budget(inp, i, fix_count(score.cfo, slot.num_tokens))
             reason = "cfo" if reason == "mode" else reason
             chunks.append(hit(slot, score, (), reason, budget=budget, select="probe"))
+        if errors is not None:  # a chunk computed in full passes no staleness on
+            last = chunks[-1]
+            errors[slot.key] = (last.error or 0.0) if last.is_hit else 0.0
     total = _pooled_total(inp, chunks)
     if not total:  # nothing to recompute: no probe to steer it
         return _plan(inp, "cachecraft", [_planned(c) for c in chunks])

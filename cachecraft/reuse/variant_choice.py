@@ -15,7 +15,7 @@ Pure Python: no torch, no store access.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from cachecraft.config import ReuseConfig
@@ -37,6 +37,30 @@ class VariantScore(NamedTuple):
     """Its K/V are exactly what a full prefill computes here (exact, same prefix and S_old)."""
 
 
+def kept_shares(
+    variant: VariantMeta, s_new: Sequence[str], s_new_sizes: Sequence[int]
+) -> dict[str, float] | None:
+    """Per chunk of S_old still in s_new, its share of the honest denominator: its mass over
+    (S_old mass + (S_old mass per S_old token) x tokens of the s_new chunks absent from S_old);
+    without recorded mass the same ratio over token counts. They add up to the honest beta.
+    None when the denominator is 0 (nothing recorded and no tokens on either side)."""
+    if len(s_new) != len(s_new_sizes):
+        raise ValueError("s_new_sizes needs one size per chunk of s_new")
+    old = set(variant.s_old)
+    present = set(s_new)
+    novel_tokens = sum(n for key, n in zip(s_new, s_new_sizes, strict=True) if key not in old)
+    old_tokens = sum(variant.s_old_sizes)
+    totals = variant.inter_total()
+    total = sum(totals)
+    if total <= 0.0:  # no mass recorded: weigh by tokens instead
+        weights, denom = variant.s_old_sizes, float(old_tokens + novel_tokens)
+    else:
+        weights, denom = totals, total + total / max(old_tokens, 1) * novel_tokens
+    if denom <= 0.0:
+        return None
+    return {k: w / denom for k, w in zip(variant.s_old, weights, strict=True) if k in present}
+
+
 def honest_overlap(
     variant: VariantMeta, s_new: Sequence[str], s_new_sizes: Sequence[int], empty_rule: str
 ) -> float:
@@ -50,21 +74,8 @@ def honest_overlap(
         raise ValueError("s_new_sizes needs one size per chunk of s_new")
     if not variant.s_old:
         return prefix_overlap(variant, s_new, empty_rule)  # type: ignore[arg-type]
-    old = set(variant.s_old)
-    present = set(s_new)
-    novel_tokens = sum(n for key, n in zip(s_new, s_new_sizes, strict=True) if key not in old)
-    old_tokens = sum(variant.s_old_sizes)
-    totals = variant.inter_total()
-    total = sum(totals)
-    if total <= 0.0:  # no mass recorded: weigh by tokens instead
-        kept = sum(
-            n for key, n in zip(variant.s_old, variant.s_old_sizes, strict=True) if key in present
-        )
-        denom = old_tokens + novel_tokens
-        return kept / denom if denom else 1.0
-    kept_mass = sum(m for key, m in zip(variant.s_old, totals, strict=True) if key in present)
-    novel_mass = total / max(old_tokens, 1) * novel_tokens
-    return kept_mass / (total + novel_mass)
+    shares = kept_shares(variant, s_new, s_new_sizes)
+    return 1.0 if shares is None else sum(shares.values())
 
 
 def score_variant(
@@ -75,15 +86,23 @@ def score_variant(
     s_new_sizes: Sequence[int] | None = None,
     prefix_key: str | None = None,
     rule: str | None = None,
+    inherited: Mapping[str, float] | None = None,
 ) -> VariantScore:
     """Score `variant` reused after the chunks `s_new` (sizes needed by the honest rule) under
-    the system prefix `prefix_key` (None: assume it matches). rule: config.beta_rule if None."""
+    the system prefix `prefix_key` (None: assume it matches). rule: config.beta_rule if None.
+    inherited (honest rule): chunk key -> predicted error of that chunk in front as reused
+    here; a kept chunk counts in beta only by its share x (1 - its error), because K/V that
+    were stale themselves are not the context this variant was computed over."""
     rule = rule or config.beta_rule
     if rule not in ("honest", "paper"):
         raise ValueError(f"beta rule must be 'honest' or 'paper', got {rule!r}")
     if rule == "honest":
         sizes = s_new_sizes if s_new_sizes is not None else [0] * len(s_new)
         beta = honest_overlap(variant, s_new, sizes, config.empty_s_old)
+        shares = kept_shares(variant, s_new, sizes) if inherited and variant.s_old else None
+        if shares:
+            stale = sum(share * inherited.get(key, 0.0) for key, share in shares.items())
+            beta = min(max(beta - stale, 0.0), 1.0)
     else:
         beta = prefix_overlap(variant, s_new, config.empty_s_old)
     gamma = order_penalty(variant.s_old, s_new)
@@ -107,6 +126,7 @@ def choose_variant(
     s_new_sizes: Sequence[int] | None = None,
     prefix_key: str | None = None,
     rule: str | None = None,
+    inherited: Mapping[str, float] | None = None,
 ) -> VariantScore | None:
     """The variant to reuse, None if there is none.
 
@@ -115,7 +135,15 @@ def choose_variant(
     """
     rule = rule or config.beta_rule
     scores = [
-        score_variant(v, s_new, config, s_new_sizes=s_new_sizes, prefix_key=prefix_key, rule=rule)
+        score_variant(
+            v,
+            s_new,
+            config,
+            s_new_sizes=s_new_sizes,
+            prefix_key=prefix_key,
+            rule=rule,
+            inherited=inherited,
+        )
         for v in variants
     ]
     if not scores:
