@@ -45,9 +45,9 @@ class ReuseConfig:
     refresh_error: float | None = None
     """Predicted error above which a reused chunk is computed in full instead and offered as a
     new variant (None: never)."""
-    inherit_error: bool = False
+    inherit_error: bool = True
     """cachecraft: a chunk in front that is itself reused counts in beta only by (1 - its
-    predicted error): staleness passes down the prompt (ablation `cachecraft-inherit`)."""
+    predicted error): staleness passes down the prompt (ablation `cachecraft-no-inherit`)."""
     refresh_repeats: bool = True
     """cachecraft: a prompt this engine prefilled before (token for token) computes in full
     every chunk with no exact variant in its place and offers them, so from its next repeat

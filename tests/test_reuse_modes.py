@@ -145,10 +145,13 @@ def test_refresh_computes_a_stale_chunk_in_full() -> None:
 def test_inherit_error_passes_a_stale_chunk_in_front_down() -> None:
     # B was cached after (X, A) with equal mass on each; now after (A) alone.
     b = variant("B", ("X", "A"), cci=0.9, exact=False)  # honest beta after (A): 1 / 2
-    inherit = ReuseConfig(inherit_error=True)
+    inherit = ReuseConfig()  # the default
+    assert inherit.inherit_error
     # A reused in a new context (cached after Y): its predicted error 0.8 x (1 - 0) = 0.8
     stale_a = {"A": [variant("A", ("Y",), cci=0.8)], "B": [b]}
-    plain = plan("cachecraft", stale_a, layout("A", "B")).chunks[1]
+    plain = plan("cachecraft", stale_a, layout("A", "B"), ReuseConfig(inherit_error=False)).chunks[
+        1
+    ]
     passed = plan("cachecraft", stale_a, layout("A", "B"), inherit).chunks[1]
     assert plain.beta == pytest.approx(0.5) and plain.error == pytest.approx(0.45)
     # A's share 1/2 counts by (1 - 0.8): beta 0.5 - 0.5 x 0.8 = 0.1

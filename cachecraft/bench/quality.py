@@ -74,7 +74,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-no-sink": {"probe_sink": 0},
     "cachecraft-always-probe": {"probe_max_cost": None},
     "cachecraft-refresh": {"refresh_error": 0.75},
-    "cachecraft-inherit": {"inherit_error": True},
+    "cachecraft-no-inherit": {"inherit_error": False},
     "cachecraft-beta-paper": {"beta_rule": "paper"},
     "cachecraft-no-order": {"use_order_penalty": False},
     "cachecraft-one-variant": {"max_variants_per_chunk": 1},
