@@ -99,8 +99,8 @@ def score_variant(
     if rule == "honest":
         sizes = s_new_sizes if s_new_sizes is not None else [0] * len(s_new)
         beta = honest_overlap(variant, s_new, sizes, config.empty_s_old)
-        shares = kept_shares(variant, s_new, sizes) if inherited and variant.s_old else None
-        if shares:
+        if inherited and variant.s_old:
+            shares = kept_shares(variant, s_new, sizes) or {}
             stale = sum(share * inherited.get(key, 0.0) for key, share in shares.items())
             beta = min(max(beta - stale, 0.0), 1.0)
     else:
