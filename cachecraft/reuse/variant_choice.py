@@ -62,20 +62,29 @@ def kept_shares(
 
 
 def honest_overlap(
-    variant: VariantMeta, s_new: Sequence[str], s_new_sizes: Sequence[int], empty_rule: str
+    variant: VariantMeta,
+    s_new: Sequence[str],
+    s_new_sizes: Sequence[int],
+    empty_rule: str,
+    inherited: Mapping[str, float] | None = None,
 ) -> float:
     """beta counting the chunks in front now that were not in S_old.
 
     kept = S_old mass whose chunks are in s_new; new = (S_old mass per S_old token) x tokens of
     the s_new chunks absent from S_old. beta = kept / (S_old mass + new). Without recorded mass
     the same ratio is taken over token counts. S_old empty: as `prefix_overlap`'s rule.
+    inherited: chunk key -> predicted error of that chunk in front as reused here; a kept
+    chunk then counts by its share x (1 - its error).
     """
     if len(s_new) != len(s_new_sizes):
         raise ValueError("s_new_sizes needs one size per chunk of s_new")
     if not variant.s_old:
         return prefix_overlap(variant, s_new, empty_rule)  # type: ignore[arg-type]
     shares = kept_shares(variant, s_new, s_new_sizes)
-    return 1.0 if shares is None else sum(shares.values())
+    if shares is None:
+        return 1.0
+    stale = inherited or {}
+    return min(max(sum(w * (1.0 - stale.get(k, 0.0)) for k, w in shares.items()), 0.0), 1.0)
 
 
 def score_variant(
@@ -98,11 +107,7 @@ def score_variant(
         raise ValueError(f"beta rule must be 'honest' or 'paper', got {rule!r}")
     if rule == "honest":
         sizes = s_new_sizes if s_new_sizes is not None else [0] * len(s_new)
-        beta = honest_overlap(variant, s_new, sizes, config.empty_s_old)
-        if inherited and variant.s_old:
-            shares = kept_shares(variant, s_new, sizes) or {}
-            stale = sum(share * inherited.get(key, 0.0) for key, share in shares.items())
-            beta = min(max(beta - stale, 0.0), 1.0)
+        beta = honest_overlap(variant, s_new, sizes, config.empty_s_old, inherited)
     else:
         beta = prefix_overlap(variant, s_new, config.empty_s_old)
     gamma = order_penalty(variant.s_old, s_new)
