@@ -100,6 +100,9 @@ class ReuseConfig:
     """At the check: 'product' ranks by question attention x K/V deviation (the first-order
     change a token's stale K/V make to the question's attention output); 'deviation' by the
     deviation alone among the candidates."""
+    probe_check_power: float = 1.0
+    """At the check ('product'): the question attention enters the rank as attention ** this
+    (1: the product; 0: the deviation alone among the candidates)."""
     prophet_ratio: float = 0.2
     """prophet: share of the reused chunks' tokens recomputed (when no budget is given)."""
     cacheblend_ratio: float = 0.15

@@ -246,7 +246,8 @@ def test_probe_splits_chunk_and_global() -> None:
 def test_probe_check_makes_candidates_weighted_by_question_attention() -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",), cci=0.6)]}
-    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=0.5, probe_check=1.5, probe_sink=0))
+    cfg = ReuseConfig(alpha=0.5, probe_check=1.5, probe_sink=0, probe_check_power=1.0)
+    p = plan("cachecraft", variants, lay, cfg)
     assert p.probe is not None and p.probe.check == 1.5 and p.probe.split == "global"
     total = p.probe.total
     assert total == 2 + 2  # ceil(0.5 * 0.8 * 4), ceil(0.5 * 0.6 * 5)
@@ -270,6 +271,23 @@ def test_probe_check_makes_candidates_weighted_by_question_attention() -> None:
     )
     r = resolve_probe(flat, _att(flat, att))
     assert r.deviation.weights == (None, (1.0,) * 4, (1.0,) * 5)  # 3 x 4 > 9: all
+
+
+@pytest.mark.parametrize("power", [0.0, 0.5, 1.0])
+def test_probe_check_power_tempers_the_question_attention(power: float) -> None:
+    lay = layout("X", "A", "B")
+    variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",), cci=0.6)]}
+    cfg = ReuseConfig(probe_check=1.5, probe_sink=0, probe_check_power=power)
+    p = plan("cachecraft", variants, lay, cfg)
+    att = {1: [0.9, 0.0, 0.0, 0.8], 2: [0.1, 0.7, 0.2, 0.3, 0.6]}
+    r = resolve_probe(p, _att(p, att))
+    # the same candidates whatever the power: it only weighs the deviation at the check
+    assert (r.chunks[1].recompute, r.chunks[2].recompute) == ((0, 3), (1, 2, 3, 4))
+    none, a, b = r.deviation.weights
+    assert none is None and a == pytest.approx((0.9**power, 0.8**power))
+    assert b == pytest.approx(tuple(x**power for x in (0.7, 0.2, 0.3, 0.6)))
+    with pytest.raises(ValueError, match="probe_check_power"):
+        plan("cachecraft", variants, lay, ReuseConfig(probe_check_power=-1.0))
 
 
 def test_probe_check_everything_when_the_budget_is_everything() -> None:

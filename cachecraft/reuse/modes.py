@@ -269,6 +269,7 @@ def _probe(
         c.probe_check_score,
         inp.num_layers,
         sink,
+        c.probe_check_power,
     )
 
 

@@ -197,6 +197,8 @@ class ProbeCheck:
     """The model's layers (0: unknown, the probe is taken to run them all)."""
     sink: int = 0
     """The first `sink` tokens of each probed chunk rank above every other token."""
+    check_power: float = 1.0
+    """'product': the question attention enters the check's rank as attention ** this."""
 
     @property
     def layer_share(self) -> float:

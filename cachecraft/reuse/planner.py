@@ -80,6 +80,8 @@ def check_config(config: ReuseConfig) -> None:
         raise ValueError("probe_max_cost must be >= 0 (or None: always probe)")
     if config.probe_check < 0.0:
         raise ValueError("probe_check must be >= 0 (0: no check layer)")
+    if config.probe_check_power < 0.0:
+        raise ValueError("probe_check_power must be >= 0")
     if config.probe_check_score not in ("product", "deviation"):
         raise ValueError(
             f"probe_check_score must be product or deviation, got {config.probe_check_score!r}"

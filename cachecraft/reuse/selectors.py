@@ -168,7 +168,7 @@ def select_by_question(
             continue
         picked = top_scored(scores[i], wide[i])
         if probe.check_score == "product":
-            weights[i] = tuple(weight[i] * scores[i][t] for t in picked)
+            weights[i] = tuple((weight[i] * scores[i][t]) ** probe.check_power for t in picked)
         else:
             weights[i] = tuple(1.0 for _ in picked)
         chunks[i] = replace(
