@@ -63,6 +63,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-need": {"probe_split": "need"},
     "cachecraft-no-check": {"probe_check": 0.0},
     "cachecraft-check-deviation": {"probe_check_score": "deviation"},
+    "cachecraft-check-product": {"probe_check_power": 1.0},
     "cachecraft-check-sqrt": {"probe_check_power": 0.5},
     "cachecraft-check-all": {"probe_check": 1000.0},
     "cachecraft-check-layer1": {"probe_check_layer": 1},
