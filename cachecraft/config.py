@@ -97,9 +97,9 @@ class ReuseConfig:
     chunks. Same computed tokens, no second pass over the question. None: always probe
     (ablation `cachecraft-always-probe`)."""
     probe_check_score: Literal["product", "deviation"] = "product"
-    """At the check: 'product' ranks by question attention x K/V deviation (the first-order
-    change a token's stale K/V make to the question's attention output); 'deviation' by the
-    deviation alone among the candidates."""
+    """At the check: 'product' ranks by question attention (to probe_check_power) x K/V
+    deviation (the first-order change a token's stale K/V make to the question's attention
+    output); 'deviation' by the deviation alone among the candidates (as power 0)."""
     probe_check_power: float = 0.75
     """At the check ('product'): the question attention enters the rank as attention ** this
     (1: the product; 0: the deviation alone among the candidates). The question's attention
