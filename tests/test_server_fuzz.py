@@ -146,6 +146,16 @@ ROUTES = [
 ]
 
 
+def test_openapi_operation_ids_are_unique(server: tuple[str, dict]) -> None:
+    """Clients generated from the schema name a method per operation ID: two the same break
+    them (GET and HEAD of /health once shared one)."""
+    _, spec = server
+    ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
+    assert ids and len(ids) == len(set(ids))
+    assert {"get", "head"} <= set(spec["paths"]["/health"])
+    assert {"get", "post"} <= set(spec["paths"]["/ping"])
+
+
 @pytest.mark.parametrize("route, schema", ROUTES)
 def test_schema_valid_bodies(server: tuple[str, dict], route: str, schema: str) -> None:
     url, spec = server

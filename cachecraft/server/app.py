@@ -695,8 +695,11 @@ def create_app(
         return {"chunk_key": chunk_key, "deleted": True, "num_variants": removed}
 
     # ---- operations -------------------------------------------------------------------------
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    @app.api_route("/ping", methods=["GET", "POST"])
+    # one route per method, so each has an operation ID of its own in the OpenAPI schema
+    @app.get("/health")
+    @app.head("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health() -> JSONResponse:
         """200 while the step thread is alive and no unit of its work has run longer than
         `watchdog_s`; 503 (with the reason) otherwise, so a supervisor can restart us. Also
