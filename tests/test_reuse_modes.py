@@ -149,9 +149,8 @@ def test_inherit_error_passes_a_stale_chunk_in_front_down() -> None:
     assert inherit.inherit_error
     # A reused in a new context (cached after Y): its predicted error 0.8 x (1 - 0) = 0.8
     stale_a = {"A": [variant("A", ("Y",), cci=0.8)], "B": [b]}
-    plain = plan("cachecraft", stale_a, layout("A", "B"), ReuseConfig(inherit_error=False)).chunks[
-        1
-    ]
+    no_inherit = ReuseConfig(inherit_error=False)
+    plain = plan("cachecraft", stale_a, layout("A", "B"), no_inherit).chunks[1]
     passed = plan("cachecraft", stale_a, layout("A", "B"), inherit).chunks[1]
     assert plain.beta == pytest.approx(0.5) and plain.error == pytest.approx(0.45)
     # A's share 1/2 counts by (1 - 0.8): beta 0.5 - 0.5 x 0.8 = 0.1

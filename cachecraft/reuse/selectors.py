@@ -158,6 +158,7 @@ def select_by_question(
             wide = _global_counts(idx, scores, weight, math.ceil(probe.check * probe.total - 1e-9))
     chunks = list(plan.chunks)
     weights: list[tuple[float, ...] | None] = [None] * len(chunks)
+    power = probe.check_power if probe.check_score == "product" else 0.0  # 0: deviation alone
     for i in idx:
         reason = f"{chunks[i].reason}+{probe.split}"
         if not checked:
@@ -167,10 +168,7 @@ def select_by_question(
             )
             continue
         picked = top_scored(scores[i], wide[i])
-        if probe.check_score == "product":
-            weights[i] = tuple((weight[i] * scores[i][t]) ** probe.check_power for t in picked)
-        else:
-            weights[i] = tuple(1.0 for _ in picked)
+        weights[i] = tuple((weight[i] * scores[i][t]) ** power for t in picked)
         chunks[i] = replace(
             chunks[i],
             recompute=picked,

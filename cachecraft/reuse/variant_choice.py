@@ -37,7 +37,7 @@ class VariantScore(NamedTuple):
     """Its K/V are exactly what a full prefill computes here (exact, same prefix and S_old)."""
 
 
-def kept_shares(
+def _kept_shares(
     variant: VariantMeta, s_new: Sequence[str], s_new_sizes: Sequence[int]
 ) -> dict[str, float] | None:
     """Per chunk of S_old still in s_new, its share of the honest denominator: its mass over
@@ -80,7 +80,7 @@ def honest_overlap(
         raise ValueError("s_new_sizes needs one size per chunk of s_new")
     if not variant.s_old:
         return prefix_overlap(variant, s_new, empty_rule)  # type: ignore[arg-type]
-    shares = kept_shares(variant, s_new, s_new_sizes)
+    shares = _kept_shares(variant, s_new, s_new_sizes)
     if shares is None:
         return 1.0
     stale = inherited or {}
