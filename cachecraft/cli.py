@@ -152,14 +152,21 @@ def stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _interrupt)
 
 
+def setup_logging(verbose: bool) -> None:
+    """Log to stderr at INFO with -v, else WARNING. The level is also set on the handlers, so
+    a library that sets its own logger to DEBUG (bm25s does on import) prints at ours only."""
+    level = logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(
+        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stop_on_sigterm()
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(args.verbose)
     try:
         return int(args.func(args) or 0)
     except CachecraftError as e:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,19 @@ def test_a_bad_port_or_log_level_is_a_usage_error(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err
+
+
+def test_a_library_logging_at_debug_prints_at_our_level_only() -> None:
+    """bm25s sets its logger to DEBUG on import, and its 'Building index' chatter went to
+    stderr under every command that built a wiki-qa workload (the level was the root's only)."""
+    code = (
+        "import logging\n"
+        "from cachecraft.cli import setup_logging\n"
+        "setup_logging(verbose=False)\n"
+        "noisy = logging.getLogger('noisy')\n"
+        "noisy.setLevel(logging.DEBUG)\n"
+        "noisy.debug('chatter')\n"
+        "noisy.warning('kept')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "kept" in done.stderr and "chatter" not in done.stderr

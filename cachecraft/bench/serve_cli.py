@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 
 from cachecraft.bench.own_server import server_process
@@ -24,12 +25,16 @@ from cachecraft.errors import CachecraftError
 
 
 def _parse_rates(text: str) -> list[float]:
+    """--rates: positive requests/s, comma-separated (checked before any workload is built)."""
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
+        rates = []
+    if not rates or not all(r > 0 and math.isfinite(r) for r in rates):
         raise argparse.ArgumentTypeError(
-            f"--rates takes numbers like 0.1,0.2, got {text!r}"
-        ) from None
+            f"--rates takes positive numbers like 0.1,0.2, got {text!r}"
+        )
+    return rates
 
 
 def add_bench_serve_parser(
