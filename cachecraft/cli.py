@@ -28,6 +28,7 @@ from cachecraft.bench.store_bench import add_bench_store_parser  # noqa: E402
 from cachecraft.config import MODES  # noqa: E402
 from cachecraft.config_file import load_reuse_overrides, merge_overrides  # noqa: E402
 from cachecraft.errors import CachecraftError  # noqa: E402
+from cachecraft.logs import setup_logging  # noqa: E402
 from cachecraft.server.cli import add_serve_parser  # noqa: E402
 from cachecraft.store.cli import add_chunks_parser  # noqa: E402
 
@@ -152,21 +153,10 @@ def stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _interrupt)
 
 
-def setup_logging(verbose: bool) -> None:
-    """Log to stderr at INFO with -v, else WARNING. The level is also set on the handlers, so
-    a library that sets its own logger to DEBUG (bm25s does on import) prints at ours only."""
-    level = logging.INFO if verbose else logging.WARNING
-    logging.basicConfig(
-        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    for handler in logging.getLogger().handlers:
-        handler.setLevel(level)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stop_on_sigterm()
-    setup_logging(args.verbose)
+    setup_logging(logging.INFO if args.verbose else logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except CachecraftError as e:

@@ -135,15 +135,20 @@ def test_a_bad_port_or_log_level_is_a_usage_error(
 
 def test_a_library_logging_at_debug_prints_at_our_level_only() -> None:
     """bm25s sets its logger to DEBUG on import, and its 'Building index' chatter went to
-    stderr under every command that built a wiki-qa workload (the level was the root's only)."""
+    stderr under every command that built a wiki-qa workload (the level was the root's only);
+    and `serve --log-level trace` ended in a traceback (logging had no level named TRACE)."""
     code = (
         "import logging\n"
-        "from cachecraft.cli import setup_logging\n"
-        "setup_logging(verbose=False)\n"
+        "from cachecraft.logs import setup_logging\n"
+        "setup_logging(logging.WARNING)\n"
         "noisy = logging.getLogger('noisy')\n"
         "noisy.setLevel(logging.DEBUG)\n"
         "noisy.debug('chatter')\n"
         "noisy.warning('kept')\n"
+        "setup_logging('trace')\n"  # `serve --log-level trace` crashed: logging had no TRACE
+        "noisy.setLevel(1)\n"
+        "noisy.log(5, 'traced')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "kept" in done.stderr and "chatter" not in done.stderr
+    assert "TRACE noisy: traced" in done.stderr

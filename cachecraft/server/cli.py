@@ -6,13 +6,13 @@ Wire it with `add_serve_parser(subparsers)`; it sets `args.func` to `main_serve`
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
 
 from cachecraft.config import MODES
 from cachecraft.config_file import load_reuse_overrides, merge_overrides
 from cachecraft.engine.engine import EngineConfig
 from cachecraft.errors import BadRequestError, StoreUnavailableError
+from cachecraft.logs import setup_logging
 from cachecraft.model.loader import DTYPES
 from cachecraft.server.config import ServerConfig
 from cachecraft.store.config import StoreConfig
@@ -164,7 +164,7 @@ def main_serve(args: argparse.Namespace) -> int:
     overrides = merge_overrides(load_reuse_overrides(args.config), alpha=args.alpha)
 
     # `cachecraft` already configured logging (WARNING, or INFO with -v): --log-level wins here
-    logging.getLogger().setLevel(args.log_level.upper())
+    setup_logging(args.log_level.upper())
     cache_dir = args.cache_dir or None
     if cache_dir is not None:
         try:
