@@ -11,7 +11,7 @@ import cachecraft
 
 ROOT = Path(cachecraft.__file__).parent
 LAYERS = [
-    {"errors", "env", "config", "config_file", "request"},
+    {"errors", "env", "logs", "config", "config_file", "request"},
     {"model", "store"},
     {"reuse"},
     {"engine"},
