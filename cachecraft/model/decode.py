@@ -80,16 +80,19 @@ def plan_decode(batch: DecodeBatch, window: int | None, max_positions: int) -> D
     s = [slots[i] for i in order]
     p = [positions[i] for i in order]
     is_sorted = order == list(range(len(order)))
+    device = pool.v.device
     return DecodePlan(
         pool,
-        None if is_sorted else torch.tensor(order),
-        torch.tensor(s),
-        torch.tensor(p),
-        _groups(s, p, window),
+        None if is_sorted else torch.tensor(order, device=device),
+        torch.tensor(s, device=device),
+        torch.tensor(p, device=device),
+        _groups(s, p, window, device),
     )
 
 
-def _groups(slots: list[int], positions: list[int], window: int | None) -> list[DecodeGroup]:
+def _groups(
+    slots: list[int], positions: list[int], window: int | None, device: torch.device
+) -> list[DecodeGroup]:
     groups = []
     i = 0
     while i < len(slots):
@@ -100,18 +103,25 @@ def _groups(slots: list[int], positions: list[int], window: int | None) -> list[
             if (slots[j] + 1 - first) * grown - more > PAD_SLACK * more + PAD_KEYS:
                 break
             length, useful, j = grown, more, j + 1
-        groups.append(_group(slots[i:j], positions[i:j], i, first, length, window))
+        groups.append(_group(slots[i:j], positions[i:j], i, first, length, window, device))
         i = j
     return groups
 
 
 def _group(
-    slots: list[int], positions: list[int], row0: int, first: int, length: int, w: int | None
+    slots: list[int],
+    positions: list[int],
+    row0: int,
+    first: int,
+    length: int,
+    w: int | None,
+    device: torch.device,
 ) -> DecodeGroup:
+    """One group; its index and mask tensors built on the host, kept on `device`."""
     end = slots[-1] + 1
     rows = slice(row0, row0 + len(slots))
     is_dense = end - first == len(slots)
-    at = None if is_dense else torch.tensor(slots) - first
+    at = None if is_dense else (torch.tensor(slots) - first).to(device)
     needs_window = w is not None and length > w
     if is_dense and not needs_window and all(p + 1 == length for p in positions):
         return DecodeGroup(rows, first, end, length, at, None)
@@ -125,7 +135,7 @@ def _group(
         low = torch.full((end - first,), -1, dtype=torch.long)
         low[torch.tensor(slots) - first] = torch.tensor(positions) - w
         mask &= keys[None, :] > low[:, None]
-    return DecodeGroup(rows, first, end, length, at, ~mask[:, None, None, :])
+    return DecodeGroup(rows, first, end, length, at, (~mask[:, None, None, :]).to(device))
 
 
 def attend_decode(

@@ -89,19 +89,21 @@ def _may_stop(states: list[_Rows]) -> bool:
 
 
 class _Rows:
-    """Book-keeping of one sequence's active rows during a step."""
+    """Book-keeping of one sequence's active rows during a step, on the cache's device (a
+    SeqWork's index tensors may come from the host; the step's results go back to it)."""
 
     def __init__(self, work: SeqWork, num_layers: int, num_spans: int, rope: Rope) -> None:
         n = work.positions.shape[0]
+        device = work.kv.k.device
         self.work = work
-        self.positions = work.positions
-        self.cos, self.sin = rope.cos_sin(work.positions, work.kv.k.dtype)
-        self.index = torch.arange(n, device=work.positions.device)  # original row numbers
+        self.positions = work.positions.to(device)
+        self.cos, self.sin = rope.cos_sin(self.positions, work.kv.k.dtype)
+        self.index = torch.arange(n, device=device)  # original row numbers
         top = num_layers - 1
         self.last_layer = (
-            torch.full((n,), top, dtype=torch.long, device=work.positions.device)
+            torch.full((n,), top, dtype=torch.long, device=device)
             if work.last_layer is None
-            else work.last_layer.to(torch.long).clamp(max=top).clone()
+            else work.last_layer.to(device, torch.long).clamp(max=top).clone()
         )
         self.final_last_layer = self.last_layer.clone()
         self.attn_plan: RowPlan | None = None  # for the current `positions` (see `plan`)
@@ -115,17 +117,18 @@ class _Rows:
         if work.meter is not None and work.span_bounds is not None:
             raise ValueError("a work measures span statistics or a key meter, not both")
         if work.span_bounds is not None:
-            self.mass_layers = torch.zeros((num_layers, num_spans, num_spans))
-            self.mass_rows = torch.zeros((n, num_spans))
-            self.row_layers = torch.zeros(n)
-            starts = work.span_bounds[:, 0].contiguous()
-            self.row_span = torch.bucketize(work.positions, starts, right=True) - 1
+            self.mass_layers = torch.zeros((num_layers, num_spans, num_spans), device=device)
+            self.mass_rows = torch.zeros((n, num_spans), device=device)
+            self.row_layers = torch.zeros(n, device=device)
+            bounds = work.span_bounds.to(device)
+            starts = bounds[:, 0].contiguous()
+            self.row_span = torch.bucketize(self.positions, starts, right=True) - 1
             ctx = int(work.positions[-1]) + 1
-            self.onehot = span_onehot(work.span_bounds.to(work.kv.k.device), ctx, work.kv.k.dtype)
+            self.onehot = span_onehot(bounds, ctx, work.kv.k.dtype)
             self.stats_rows = (
-                torch.ones(n, dtype=torch.bool)
+                torch.ones(n, dtype=torch.bool, device=device)
                 if work.stats_rows is None
-                else work.stats_rows.to(torch.bool).clone()
+                else work.stats_rows.to(device, torch.bool).clone()
             )
             self.stats_at = (
                 frozenset(range(num_layers))
@@ -260,7 +263,8 @@ class LlamaModel:
         tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # decode rows' RoPE tables
         if decode is not None and decode.caches:
             dplan = plan_decode(decode, arch.sliding_window, arch.max_position_embeddings)
-            dids = decode.token_ids if dplan.order is None else decode.token_ids[dplan.order]
+            dids = decode.token_ids.to(self.device)
+            dids = dids if dplan.order is None else dids[dplan.order]
             ids.append(dids)
             num_decode = dids.shape[0]
             tables.append(self.rope.cos_sin(dplan.positions, self.dtype))
@@ -404,7 +408,7 @@ class LlamaModel:
             keep = s.last_layer > layer_idx if layer_idx < top else self._wants_logits(s)
             parts.append(torch.nonzero(keep).flatten() + start)
             start += n
-        parts.append(torch.arange(start, num_rows))  # decode rows
+        parts.append(torch.arange(start, num_rows, device=self.device))  # decode rows
         rows = torch.cat(parts)
         return None if rows.numel() == num_rows else rows
 
@@ -521,20 +525,24 @@ class LlamaModel:
             counts.append(num_decode)
         rows = torch.cat(picks)
         x = self.norm * _normalize(h[self._aligned(rows)], self.arch.rms_norm_eps)
-        logits = self.lm_head(x)[: rows.shape[0]].float().split(counts)
+        # results go back to the host: sampling and planning read them there
+        logits = self.lm_head(x)[: rows.shape[0]].float().cpu().split(counts)
         results = []
         for s, seq_logits in zip(states, logits[: len(states)], strict=True):
-            row_mass = None
+            row_mass = mass_layers = key_mass = None
             if s.mass_rows is not None and s.row_layers is not None:
-                row_mass = s.mass_rows / s.row_layers.clamp(min=1)[:, None]
-            results.append(
-                SeqResult(seq_logits, s.final_last_layer, s.mass_layers, row_mass, s.key_mass())
-            )
+                row_mass = (s.mass_rows / s.row_layers.clamp(min=1)[:, None]).cpu()
+            if s.mass_layers is not None:
+                mass_layers = s.mass_layers.cpu()
+            if (mass := s.key_mass()) is not None:
+                key_mass = mass.cpu()
+            last = s.final_last_layer.cpu()
+            results.append(SeqResult(seq_logits, last, mass_layers, row_mass, key_mass))
         decode_logits = None
         if dplan is not None:
             decode_logits = logits[-1]
             if dplan.order is not None:  # back from slot order to the batch's row order
                 decode_logits = torch.empty_like(decode_logits).index_copy_(
-                    0, dplan.order, decode_logits
+                    0, dplan.order.cpu(), decode_logits
                 )
         return StepOutput(results, decode_logits)

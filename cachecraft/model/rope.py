@@ -29,14 +29,16 @@ class Rope:
         self.scaling = float(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions [n] -> cos, sin [n, head_dim] (attention scaling folded in)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        """positions [n] (any device) -> cos, sin [n, head_dim] on the tables' device
+        (attention scaling folded in)."""
+        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., n, head_dim] before RoPE -> rotated at `positions` [n]."""
-        return self.apply(x, *self.cos_sin(positions, x.dtype))
+        cos, sin = self.cos_sin(positions, x.dtype)
+        return self.apply(x, cos.to(x.device), sin.to(x.device))
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -54,13 +56,14 @@ class Rope:
         """x [..., n, head_dim] rotated at some positions -> rotated at those positions + delta
         (one rotation by delta: RoPE's rotations compose, and the scaling is not applied
         again)."""
-        freqs = float(delta) * self.inv_freq
+        freqs = float(delta) * self.inv_freq.to(x.device)
         emb = torch.cat((freqs, freqs))
         return self.apply(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inverse of `rotate`: x [..., n, head_dim] rotated at `positions` -> before RoPE."""
         cos, sin = self.cos_sin(positions, torch.float32)  # rotating by -angle: sin negated
+        cos, sin = cos.to(x.device), sin.to(x.device)
         square = self.scaling * self.scaling  # the tables carry scaling: divide them, not x
         out = self.apply(x.to(torch.float32), cos.div_(square), sin.div_(-square))
         return out.to(x.dtype)

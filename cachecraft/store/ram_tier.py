@@ -70,10 +70,13 @@ class RamTier:
     def _place(self, variant: Variant) -> None:
         vid = variant.variant_id
         if variant.keys.device != self.device:
+            # asynchronous only towards an accelerator (its later kernels wait for the copy);
+            # a host copy from one must be complete before anything reads it
+            ahead = self.device.type != "cpu"
             variant = Variant(
                 variant.meta,
-                variant.keys.to(self.device, non_blocking=True),
-                variant.values.to(self.device, non_blocking=True),
+                variant.keys.to(self.device, non_blocking=ahead),
+                variant.values.to(self.device, non_blocking=ahead),
             )
         self._variants[vid] = variant
         self._by_chunk.setdefault(variant.chunk_key, []).append(vid)

@@ -1,0 +1,114 @@
+"""The CPU suite's contracts on a CUDA device (skipped where there is none, as in CI): every
+mode told to compute everything equals a full prefill; requests given together answer as
+alone (batched decode over mixed context lengths); a CUDA model answers as the CPU model does;
+reused chunks are hits on the device and their K/V stay there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cachecraft.engine.sampling import SamplingParams
+from cachecraft.llm import LLM
+from cachecraft.request import Chunk, RagRequest
+from cachecraft.store.memory import MemoryStore
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DOCS = [
+    "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889.",
+    "Mount Everest is the highest mountain above sea level, in the Himalayas.",
+    "The Great Wall of China is a series of fortifications across northern China.",
+    "The Amazon is the largest rainforest on Earth, spanning nine countries.",
+]
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+EVERYTHING = dict(
+    alpha=1e9,
+    min_fix=1.0,
+    early_termination=False,
+    prophet_ratio=1.0,
+    epic_k=10_000,
+    cacheblend_ratio=1.0,
+)
+
+
+def _req(order: list[int], question: str = "Which one is tallest?") -> RagRequest:
+    return RagRequest(question, [Chunk(DOCS[i], id=f"d{i}") for i in order])
+
+
+def _run(llm: LLM, request: RagRequest, mode: str):
+    return llm.generate(request, GREEDY, mode=mode, keep_logits=True)[0]
+
+
+@pytest.mark.parametrize(
+    "mode,extra",
+    [
+        ("cachecraft", {}),
+        ("cachecraft", {"probe_max_cost": 0.0}),  # the check instead of the probe
+        ("cachecraft-paper", {}),
+        ("prophet", {}),
+        ("epic", {}),
+        ("random", {}),
+        ("cacheblend", {"cacheblend_global": True}),
+    ],
+)
+def test_every_mode_told_to_compute_everything_equals_full_on_cuda(
+    tiny_dir: Path, mode: str, extra: dict
+) -> None:
+    store = MemoryStore(2 << 30, storage_dtype="float32")
+    llm = LLM(str(tiny_dir), device="cuda", store=store, **{**EVERYTHING, **extra})
+    _run(llm, _req([0, 1, 2]), "naive")  # warm: every chunk becomes a variant
+    request = _req([2, 0, 3, 1])
+    full = _run(llm, request, "full")
+    out = _run(llm, request, mode)
+    assert [c.is_hit for c in out.report.chunks] == [True, True, False, True]
+    assert all(c.tokens_recomputed == c.num_tokens for c in out.report.chunks)
+    assert (out.first_token_logits - full.first_token_logits).abs().max() < 1e-4
+    assert out.token_ids == full.token_ids
+
+
+@pytest.mark.parametrize("mode", ["full", "prefix", "naive", "cachecraft"])
+def test_a_cuda_model_answers_as_the_cpu_model(tiny_dir: Path, mode: str) -> None:
+    """The same requests (cold, then the chunks reused in another order, then an exact
+    repeat) on both devices: the same chunks hit, the same tokens come out, and the first
+    token's logits agree to float32 rounding across kernels."""
+    cpu = LLM(str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"))
+    gpu = LLM(str(tiny_dir), device="cuda", store=MemoryStore(2 << 30, storage_dtype="float32"))
+    assert gpu.loaded.model.device.type == "cuda"
+    hits = []
+    for order in ([0, 1, 2], [2, 0, 1], [2, 0, 1]):
+        a, b = _run(cpu, _req(order), mode), _run(gpu, _req(order), mode)
+        hits.append([c.is_hit for c in b.report.chunks])
+        assert [c.is_hit for c in a.report.chunks] == hits[-1]
+        assert a.token_ids == b.token_ids
+        gap = (a.first_token_logits.float().cpu() - b.first_token_logits.float().cpu()).abs()
+        assert gap.max() < 1e-3
+    assert any(hits[1] + hits[2]) == (mode != "full")  # reordered or repeated: reused
+
+
+def test_requests_given_together_on_cuda_equal_alone(tiny_dir: Path) -> None:
+    llm = LLM(str(tiny_dir), device="cuda")
+    requests = [_req([0]), _req([1, 2], "Where is it?"), _req([2, 1, 0, 3], "What is it?")]
+    alone = [llm.generate(r, GREEDY, "full")[0].token_ids for r in requests]
+    together = llm.generate(requests, GREEDY, "full")
+    assert [o.token_ids for o in together] == alone
+    assert max(s.num_decodes for s in llm.engine.recent_steps) == 3
+
+
+def test_a_bfloat16_cuda_model_told_to_compute_everything_matches_its_full_prefill(
+    tiny_dir: Path,
+) -> None:
+    store = MemoryStore(2 << 30, storage_dtype="bfloat16")
+    llm = LLM(str(tiny_dir), device="cuda", dtype="bfloat16", store=store, **EVERYTHING)
+    _run(llm, _req([0, 1, 2]), "naive")
+    request = _req([1, 0, 3])
+    full = _run(llm, request, "full")
+    stale = _run(llm, request, "naive")
+    out = _run(llm, request, "cachecraft")
+    assert all(c.tokens_recomputed == c.num_tokens for c in out.report.chunks)
+    gap = (out.first_token_logits - full.first_token_logits).abs().max()
+    naive_gap = (stale.first_token_logits - full.first_token_logits).abs().max()
+    assert gap < 0.01 and gap * 10 < naive_gap
+    assert out.token_ids == full.token_ids
