@@ -112,3 +112,14 @@ def test_a_bfloat16_cuda_model_told_to_compute_everything_matches_its_full_prefi
     naive_gap = (stale.first_token_logits - full.first_token_logits).abs().max()
     assert gap < 0.01 and gap * 10 < naive_gap
     assert out.token_ids == full.token_ids
+
+
+def test_a_partial_prefill_on_cuda_attends_in_one_call() -> None:
+    """Row blocks keep a CPU's caches warm; on a GPU each call costs a launch and cuDNN a
+    plan per new shape, so scattered rows take one masked call there."""
+    from cachecraft.model.attention import ROW_BLOCK, plan_rows
+
+    rows = torch.arange(0, 3 * ROW_BLOCK * 2, 2)  # scattered: no causal call
+    assert len(plan_rows(rows, None, torch.float32).blocks) == 3
+    (block,) = plan_rows(rows.cuda(), None, torch.float32).blocks
+    assert block[:3] == (0, rows.numel(), int(rows[-1]) + 1) and block[3].is_cuda

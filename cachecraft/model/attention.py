@@ -116,7 +116,14 @@ def plan_rows(q_pos: torch.Tensor, window: int | None, dtype: torch.dtype) -> Ro
     )
     if causal:
         return RowPlan(q_pos, pad, True, ())
-    num_blocks = -(-n // (ROW_BLOCK_BF16 if dtype == torch.bfloat16 else ROW_BLOCK))
+    if q_pos.device.type == "cpu":
+        num_blocks = -(-n // (ROW_BLOCK_BF16 if dtype == torch.bfloat16 else ROW_BLOCK))
+    else:
+        # One call on an accelerator: blocks keep a CPU's caches warm, but a GPU pays for
+        # every call and cuDNN's SDPA builds a plan for every new shape (H200, random-weight
+        # Llama 1B in bf16, five 1,000-token chunks: cachecraft's TTFT p50 770 ms in blocks of
+        # 256 rows, 175 ms in one call; docs/results/gpu-h200.md).
+        num_blocks = 1
     cuts = [round(i * n / num_blocks) for i in range(num_blocks + 1)]
     blocks = []
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
