@@ -529,15 +529,13 @@ class LlamaModel:
         logits = self.lm_head(x)[: rows.shape[0]].float().cpu().split(counts)
         results = []
         for s, seq_logits in zip(states, logits[: len(states)], strict=True):
-            row_mass = mass_layers = key_mass = None
+            row_mass = None
             if s.mass_rows is not None and s.row_layers is not None:
-                row_mass = (s.mass_rows / s.row_layers.clamp(min=1)[:, None]).cpu()
-            if s.mass_layers is not None:
-                mass_layers = s.mass_layers.cpu()
-            if (mass := s.key_mass()) is not None:
-                key_mass = mass.cpu()
-            last = s.final_last_layer.cpu()
-            results.append(SeqResult(seq_logits, last, mass_layers, row_mass, key_mass))
+                row_mass = s.mass_rows / s.row_layers.clamp(min=1)[:, None]
+            found = (s.final_last_layer, s.mass_layers, row_mass, s.key_mass())
+            last, *stats = (None if t is None else t.cpu() for t in found)
+            assert last is not None
+            results.append(SeqResult(seq_logits, last, *stats))
         decode_logits = None
         if dplan is not None:
             decode_logits = logits[-1]

@@ -70,6 +70,7 @@ class SeqWork:
     before_layer(l): called before layer l runs, to fill given K/V of that layer just in time
     (layer-wise loading of chunk-caches overlaps with the compute of the layer before).
     logits_for: "last" (the last row), "all" rows, or "none".
+    The index tensors may live on the host: the step moves them to the cache's device.
     """
 
     kv: KVCache
@@ -95,6 +96,7 @@ class SeqResult:
     row_span_mass [n, S]: per row, mass per span averaged over the measured layers it was
     computed at.
     key_mass [meter.start]: what the work's KeyMeter measured (None without one).
+    All on the host (the CPU), whatever the model's device: sampling and planning read them.
     """
 
     logits: torch.Tensor
@@ -120,8 +122,8 @@ class DecodeBatch:
 
 
 class StepOutput(NamedTuple):
-    """results: one per SeqWork, in order; decode_logits [B, vocab] (fp32) for the
-    DecodeBatch rows in order (None without a batch)."""
+    """results: one per SeqWork, in order; decode_logits [B, vocab] (fp32, on the host) for
+    the DecodeBatch rows in order (None without a batch)."""
 
     results: list[SeqResult]
     decode_logits: torch.Tensor | None
