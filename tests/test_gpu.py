@@ -1,7 +1,7 @@
 """The CPU suite's contracts on a CUDA device (skipped where there is none, as in CI): every
 mode told to compute everything equals a full prefill; requests given together answer as
 alone (batched decode over mixed context lengths); a CUDA model answers as the CPU model does;
-reused chunks are hits on the device and their K/V stay there."""
+a partial prefill attends in one call there."""
 
 from __future__ import annotations
 
@@ -9,37 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_reuse_runner import EVERYTHING, GREEDY, _req, _run
 
-from cachecraft.engine.sampling import SamplingParams
 from cachecraft.llm import LLM
-from cachecraft.request import Chunk, RagRequest
 from cachecraft.store.memory import MemoryStore
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-DOCS = [
-    "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889.",
-    "Mount Everest is the highest mountain above sea level, in the Himalayas.",
-    "The Great Wall of China is a series of fortifications across northern China.",
-    "The Amazon is the largest rainforest on Earth, spanning nine countries.",
-]
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-EVERYTHING = dict(
-    alpha=1e9,
-    min_fix=1.0,
-    early_termination=False,
-    prophet_ratio=1.0,
-    epic_k=10_000,
-    cacheblend_ratio=1.0,
-)
-
-
-def _req(order: list[int], question: str = "Which one is tallest?") -> RagRequest:
-    return RagRequest(question, [Chunk(DOCS[i], id=f"d{i}") for i in order])
-
-
-def _run(llm: LLM, request: RagRequest, mode: str):
-    return llm.generate(request, GREEDY, mode=mode, keep_logits=True)[0]
 
 
 @pytest.mark.parametrize(
@@ -91,7 +66,7 @@ def test_a_cuda_model_answers_as_the_cpu_model(tiny_dir: Path, mode: str) -> Non
 def test_requests_given_together_on_cuda_equal_alone(tiny_dir: Path) -> None:
     llm = LLM(str(tiny_dir), device="cuda")
     requests = [_req([0]), _req([1, 2], "Where is it?"), _req([2, 1, 0, 3], "What is it?")]
-    alone = [llm.generate(r, GREEDY, "full")[0].token_ids for r in requests]
+    alone = [_run(llm, r, "full").token_ids for r in requests]
     together = llm.generate(requests, GREEDY, "full")
     assert [o.token_ids for o in together] == alone
     assert max(s.num_decodes for s in llm.engine.recent_steps) == 3
