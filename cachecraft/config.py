@@ -88,13 +88,14 @@ class ReuseConfig:
     the probe's ranking (a chunk's first tokens stood at its start when it was cached: its own
     attention sink); the check layer still weighs them by their K/V deviation. 0: question
     attention alone ranks them (ablation `cachecraft-no-sink`)."""
-    probe_max_cost: float | None = 1.0
+    probe_max_cost: float | None = 0.5
     """cachecraft: the probe runs only while its cost (rows x layers run / L) is at most this
     many times the recompute budget it steers. Above that (a long question over few reused
     tokens) it is skipped and its rows go to the budget instead: CFO budget + probe cost
     tokens (at most every reused token): each reused chunk's first probe_sink tokens, then
     the ones CacheBlend's K/V deviation check at probe_check_layer ranks highest across the
-    chunks. Same computed tokens, no second pass over the question. None: always probe
+    chunks. Same computed tokens, no second pass over the question. 1.0 until the
+    twenty-ninth session (ablation `cachecraft-probe-at-budget`); None: always probe
     (ablation `cachecraft-always-probe`)."""
     probe_check_score: Literal["product", "deviation"] = "product"
     """At the check: 'product' ranks by question attention (to probe_check_power) x K/V

@@ -114,7 +114,8 @@ def test_every_reuse_mode_serves_the_system_prefix_from_cache(mode: str) -> None
     assert plan(mode).prefix_hit
     assert 0 not in resolved(plan(mode)).rows()
     config = dataclasses.replace(CONFIG, probe_max_cost=None)  # the prefix's rows keep the probe
-    assert plan(mode, config=config, prefix_hit=False).num_rows == plan(mode).num_rows + 3
+    missed = plan(mode, config=config, prefix_hit=False)
+    assert missed.num_rows == plan(mode, config=config).num_rows + 3
 
 
 def resolved(p: RecomputePlan) -> RecomputePlan:
@@ -339,7 +340,7 @@ def test_a_vanished_variant_or_prefix_replans_as_computed() -> None:
 def test_probe_sink_ranks_each_chunks_first_tokens_first(check: float) -> None:
     """With attention rising along each chunk, the probe picks a chunk's last tokens; with
     probe_sink 1 each probed chunk's first token comes first (as a candidate of the check)."""
-    base = dataclasses.replace(CONFIG, probe_check=check, probe_sink=0)
+    base = dataclasses.replace(CONFIG, probe_check=check, probe_sink=0, probe_max_cost=None)
     plain = resolved(plan("cachecraft", config=base))
     sunk = resolved(plan("cachecraft", config=dataclasses.replace(base, probe_sink=1)))
     picked = [c for c in sunk.chunks if c.variant is not None and c.recompute]

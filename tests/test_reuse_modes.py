@@ -138,7 +138,8 @@ def test_refresh_computes_a_stale_chunk_in_full() -> None:
     b = p.chunks[1]
     assert b.variant is None and b.reason == "refresh" and b.error == pytest.approx(0.9)
     assert b.recompute == tuple(range(5)) and p.probe is None
-    kept = plan("cachecraft", variants, lay, ReuseConfig(refresh_error=0.95)).chunks[1]
+    probed = ReuseConfig(refresh_error=0.95, probe_max_cost=None)
+    kept = plan("cachecraft", variants, lay, probed).chunks[1]
     assert kept.is_hit and kept.select == "probe"
 
 
@@ -209,7 +210,7 @@ def test_probe_blend_keeps_question_attention_when_stored_scores_are_zero() -> N
     lay = layout("X", "B")
     variants = {"B": [variant("B", ("C",), scores=(0.0,) * 5)]}
     config = ReuseConfig(
-        alpha=0.4, probe_blend=1.0, probe_check=0.0, probe_sink=0
+        alpha=0.4, probe_blend=1.0, probe_check=0.0, probe_sink=0, probe_max_cost=None
     )  # ceil(0.4 * 0.8 * 5) = 2 tokens
     p = plan("cachecraft", variants, lay, config)
     r = resolve_probe(p, _att(p, {1: [0.1, 0.0, 0.5, 0.0, 0.3]}))
@@ -232,10 +233,20 @@ def test_probe_splits_chunk_and_global() -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("X",), cci=0.6)]}
     att = {1: [0.9, 0.8, 0.0, 0.0], 2: [0.1, 0.1, 0.1, 0.2, 0.1]}
-    chunk = plan("cachecraft", variants, lay, ReuseConfig(probe_split="chunk", probe_check=0.0))
+    chunk = plan(
+        "cachecraft",
+        variants,
+        lay,
+        ReuseConfig(probe_split="chunk", probe_check=0.0, probe_max_cost=None),
+    )
     r = resolve_probe(chunk, _att(chunk, att))
     assert [c.num_recompute for c in r.chunks[1:]] == [c.budget for c in chunk.chunks[1:]]
-    glob = plan("cachecraft", variants, lay, ReuseConfig(probe_split="global", probe_check=0.0))
+    glob = plan(
+        "cachecraft",
+        variants,
+        lay,
+        ReuseConfig(probe_split="global", probe_check=0.0, probe_max_cost=None),
+    )
     total = glob.probe.total
     r = resolve_probe(glob, _att(glob, att))
     assert r.chunks[1].recompute == (0, 1)[: min(2, total)]
@@ -317,27 +328,37 @@ def test_prophet_is_one_global_budget_of_question_attention() -> None:
 def test_probe_layers_are_clamped() -> None:
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}
-    p = plan("cachecraft", variants, lay, ReuseConfig(probe_first_layer=50, probe_last_layer=99))
+    p = plan(
+        "cachecraft",
+        variants,
+        lay,
+        ReuseConfig(probe_first_layer=50, probe_last_layer=99, probe_max_cost=None),
+    )
     assert (p.probe.first_layer, p.probe.last_layer) == (29, 29)
-    p = plan("cachecraft", variants, lay, ReuseConfig(probe_last_layer=9))
+    p = plan("cachecraft", variants, lay, ReuseConfig(probe_last_layer=9, probe_max_cost=None))
     assert (p.probe.first_layer, p.probe.last_layer) == (0, 9)
 
 
 def test_probe_depth_sets_the_last_layer_and_the_cost() -> None:
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}
-    full = plan("cachecraft", variants, lay)
+    full = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=None))
     assert full.probe.last_layer == 29 and full.probe.layer_share == 1.0
     assert full.probe_cost == full.num_probe_rows  # every layer: one row each
-    half = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=0.5))
+    half = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=0.5, probe_max_cost=None))
     assert half.probe.last_layer == 14 and half.probe.layer_share == 0.5
     assert half.num_probe_rows == full.num_probe_rows
     assert half.probe_cost == pytest.approx(full.num_probe_rows * 15 / 30)
-    third = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=1 / 3))
+    third = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=1 / 3, probe_max_cost=None))
     assert third.probe.last_layer == 9
-    tiny = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=0.0))
+    tiny = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=0.0, probe_max_cost=None))
     assert tiny.probe.last_layer == 0  # at least layer 0
-    given = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=0.5, probe_last_layer=20))
+    given = plan(
+        "cachecraft",
+        variants,
+        lay,
+        ReuseConfig(probe_depth=0.5, probe_last_layer=20, probe_max_cost=None),
+    )
     assert given.probe.last_layer == 20  # an explicit last layer wins
     assert plan("naive", variants, lay).probe_cost == 0.0
 
@@ -361,7 +382,8 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
     assert p.num_rows == 6 + 4 + 2  # X, every A token to the check layer, the question
     # a shallow model checks below its top layer, where a check could still stop candidates
     for num_layers, want in ((4, 2), (3, 1), (1, 0)):
-        shallow = plan_request(lay, variants, "cachecraft", ReuseConfig(), num_layers, None)
+        at_budget = ReuseConfig(probe_max_cost=1.0)
+        shallow = plan_request(lay, variants, "cachecraft", at_budget, num_layers, None)
         assert shallow.probe is not None and shallow.probe.check_layer == want
         cheap = ReuseConfig(probe_max_cost=0.5)
         shallow = plan_request(lay, variants, "cachecraft", cheap, num_layers, None)
@@ -396,7 +418,7 @@ def test_a_zero_budget_runs_no_probe() -> None:
 
 def test_resolve_rejects_attention_of_the_wrong_shape() -> None:
     lay = layout("X", "A")
-    p = plan("cachecraft", {"A": [variant("A", ("Y",))]}, lay)
+    p = plan("cachecraft", {"A": [variant("A", ("Y",))]}, lay, ReuseConfig(probe_max_cost=None))
     with pytest.raises(ValueError):
         resolve_probe(p, [None])
     with pytest.raises(ValueError):

@@ -38,6 +38,13 @@ def llm(tiny_dir: Path) -> LLM:
     return LLM(str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"))
 
 
+@pytest.fixture
+def probing_llm(tiny_dir: Path) -> LLM:
+    """`llm` that always probes (these short questions cost over half their budgets)."""
+    store = MemoryStore(2 << 30, storage_dtype="float32")
+    return LLM(str(tiny_dir), store=store, probe_max_cost=None)
+
+
 def test_cachecraft_with_cfo_one_equals_full(tiny_dir: Path) -> None:
     # alpha alone cannot force CFO = 1 where beta' = 1 (alpha * 0); min_fix = 1 can.
     llm = LLM(str(tiny_dir), alpha=1e9, min_fix=1.0, early_termination=False)
@@ -118,9 +125,9 @@ def test_cachecraft_paper_recomputes_ceil_cfo_tokens(llm: LLM) -> None:
 
 
 def test_cachecraft_spends_the_summed_cfo_budget_where_the_question_looks(tiny_dir: Path) -> None:
-    llm = LLM(
-        str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"), focus_threshold=0.0
-    )  # default: global split, candidates through the check layer
+    store = MemoryStore(2 << 30, storage_dtype="float32")
+    # default: global split, candidates through the check layer; a probe whatever it costs
+    llm = LLM(str(tiny_dir), store=store, focus_threshold=0.0, probe_max_cost=None)
     _run(llm, _req([0, 1, 2]), "cachecraft")
     out = _run(llm, _req([2, 1, 0]), "cachecraft")
     chunks = out.report.chunks
@@ -339,7 +346,8 @@ def _spliced(llm: LLM, request: RagRequest):
     return plan, kv
 
 
-def test_probe_changes_no_reused_kv_and_measures_question_attention(llm: LLM) -> None:
+def test_probe_changes_no_reused_kv_and_measures_question_attention(probing_llm: LLM) -> None:
+    llm = probing_llm
     from cachecraft.engine.probe import probe_attention
     from cachecraft.model.step import SeqWork
 
@@ -366,7 +374,8 @@ def test_probe_changes_no_reused_kv_and_measures_question_attention(llm: LLM) ->
     assert torch.allclose(got, per_chunk, atol=1e-5)
 
 
-def test_probe_leaves_out_chunks_without_kv(llm: LLM) -> None:
+def test_probe_leaves_out_chunks_without_kv(probing_llm: LLM) -> None:
+    llm = probing_llm
     from cachecraft.engine.probe import probe_attention
 
     _run(llm, _req([0, 1, 2]), "naive")
@@ -384,7 +393,8 @@ def test_probe_leaves_out_chunks_without_kv(llm: LLM) -> None:
     assert torch.allclose(got, want, atol=1e-6)
 
 
-def test_probes_run_together_measure_what_each_measures_alone(llm: LLM) -> None:
+def test_probes_run_together_measure_what_each_measures_alone(probing_llm: LLM) -> None:
+    llm = probing_llm
     from cachecraft.engine.probe import probe_work
 
     _run(llm, _req([0, 1, 2]), "naive")

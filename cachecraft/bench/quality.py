@@ -75,7 +75,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-full-probe": {"probe_depth": 1.0},
     "cachecraft-no-sink": {"probe_sink": 0},
     "cachecraft-always-probe": {"probe_max_cost": None},
-    "cachecraft-probe-half": {"probe_max_cost": 0.5},
+    "cachecraft-probe-at-budget": {"probe_max_cost": 1.0},
     "cachecraft-refresh": {"refresh_error": 0.75},
     "cachecraft-no-inherit": {"inherit_error": False},
     "cachecraft-beta-paper": {"beta_rule": "paper"},
