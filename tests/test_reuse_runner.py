@@ -347,9 +347,10 @@ def _spliced(llm: LLM, request: RagRequest):
 
 
 def test_probe_changes_no_reused_kv_and_measures_question_attention(probing_llm: LLM) -> None:
-    llm = probing_llm
     from cachecraft.engine.probe import probe_attention
     from cachecraft.model.step import SeqWork
+
+    llm = probing_llm
 
     _run(llm, _req([0, 1, 2]), "naive")
     plan, kv = _spliced(llm, _req([2, 1, 0]))  # every chunk reused: probe positions are real
@@ -375,8 +376,9 @@ def test_probe_changes_no_reused_kv_and_measures_question_attention(probing_llm:
 
 
 def test_probe_leaves_out_chunks_without_kv(probing_llm: LLM) -> None:
-    llm = probing_llm
     from cachecraft.engine.probe import probe_attention
+
+    llm = probing_llm
 
     _run(llm, _req([0, 1, 2]), "naive")
     plan, kv = _spliced(llm, _req([3, 1, 0]))  # chunk 3 is new: no K/V before the prefill
@@ -394,8 +396,9 @@ def test_probe_leaves_out_chunks_without_kv(probing_llm: LLM) -> None:
 
 
 def test_probes_run_together_measure_what_each_measures_alone(probing_llm: LLM) -> None:
-    llm = probing_llm
     from cachecraft.engine.probe import probe_work
+
+    llm = probing_llm
 
     _run(llm, _req([0, 1, 2]), "naive")
     requests = [_req([2, 1, 0]), _req([3, 1, 0], "Which one is oldest?")]  # in place; scratch
