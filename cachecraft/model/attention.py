@@ -213,7 +213,7 @@ def row_span_mass(
     num_kv = k.shape[0]
     group = num_heads // num_kv
     full_ctx = int(q_pos[-1]) + 1
-    bounds, q_pos = bounds.to(q.device), q_pos.to(q.device)
+    bounds = bounds.to(q.device)  # a hook's spans come from the host
     # onehot[m, s] = 1 if key position m lies in span s: span sums become one small GEMM.
     starts = bounds[:, 0].contiguous()
     span_of = torch.bucketize(torch.arange(full_ctx, device=q.device), starts, right=True) - 1
