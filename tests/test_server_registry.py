@@ -9,7 +9,9 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from cachecraft.engine.engine import EngineConfig
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server.app import create_app
 from cachecraft.server.launch import build_stack, close_stack, serve_app, start_server
-from cachecraft.server.registry import REGISTRY_FILE, open_registry
+from cachecraft.server.registry import REGISTRY_FILE, ChunkRegistry, open_registry
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.cli import chunks_command
 from cachecraft.store.config import StoreConfig
@@ -289,3 +291,64 @@ def test_a_chunk_deleted_through_one_replica_is_not_served_by_another(
         assert httpx.delete(f"{a}/v1/chunks/{key}", timeout=T).status_code == 200
         assert b_store.variants(key) != []  # B's memory copy, until B hears of the DELETE
         assert not ask(b)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Another process creating the file `path` (not yet in WAL mode, where an exclusive lock
+    keeps readers out too) in a long transaction, held for the block."""
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    other.execute("CREATE TABLE IF NOT EXISTS other (x)")
+    try:
+        yield
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+
+def test_a_registry_opened_while_a_replica_starts_beside_it_waits_for_the_file(
+    tmp_path: Path,
+) -> None:
+    """A replica that found the file locked past 1 s at start (another one creating it on a
+    busy machine) kept its listings in memory only, for good: it now waits as long as the
+    disk tier's index does."""
+    path = tmp_path / REGISTRY_FILE
+    with _locked(path):
+        opening = ThreadPoolExecutor(1).submit(ChunkRegistry, path)
+        time.sleep(1.5)  # the open waits past the 1 s a write waits
+        assert not opening.done()
+    registry = opening.result(timeout=30)
+    registry.add("ns", "k1", "doc", 7)
+    assert _row(path, "SELECT label, num_tokens FROM chunks") == ("doc", 7)
+    registry.close()
+
+
+class _QuickRetry(ChunkRegistry):
+    RETRY_S = 0.2
+
+
+def test_a_registry_that_could_not_open_its_file_opens_it_later_and_writes_what_it_kept(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / REGISTRY_FILE
+    with _locked(path):
+        late = _QuickRetry(path, open_wait_s=0.1)  # gives up while the lock is held
+        late.add("ns", "k1", "doc", 7)
+        late.pin("ns", "k1", "v1")
+        assert late.keys("ns") == {"k1": ("doc", 7)}  # the memory view answers meanwhile
+    assert _row(path, "SELECT COUNT(*) FROM sqlite_master WHERE name='chunks'") == (0,)
+    other = ChunkRegistry(path)
+    other.record_removal("gone")  # after `late` started: it must still hear of it
+    time.sleep(_QuickRetry.RETRY_S)
+    assert late.keys("ns") == {"k1": ("doc", 7)}
+    assert _row(path, "SELECT label, num_tokens FROM chunks") == ("doc", 7)
+    assert late.pins() == {"v1": ("ns", "k1")}
+    assert late.removals() == ["gone"]
+    for r in (late, other):
+        r.close()
+
+
+def _row(db: Path, sql: str) -> tuple | None:
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as conn:
+        return conn.execute(sql).fetchone()

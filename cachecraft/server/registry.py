@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecraft.store.config import StoreConfig
+from cachecraft.store.sqlite_file import open_shared
 
 log = logging.getLogger(__name__)
 
@@ -37,34 +38,43 @@ class ChunkRegistry:
     In memory it keeps the last view read from the file with this process's own changes applied,
     and the writes the file refused (locked past 1 s, read-only, full disk), retried in order
     before the next access. While any is pending, or a read fails, the memory view answers: a
-    failing file never fails a request and never loses what this process registered."""
+    failing file never fails a request and never loses what this process registered. Opening
+    waits up to `open_wait_s` for a replica starting beside this one; a file that still cannot
+    be opened is tried again every RETRY_S, and what was registered meanwhile is written then."""
 
     RETRY_S = 2.0
-    """How long the memory view answers after the file refused a write."""
+    """How long the memory view answers after the file refused a write or an open."""
     KEEP_REMOVALS_S = 24 * 3600.0
     """How long a removal is kept for other processes to hear of (`removals`)."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, open_wait_s: float = 30.0) -> None:
         self._keys: dict[str, dict[str, Entry]] = {}
         self._pins: dict[str, tuple[str, str]] = {}  # variant id -> (namespace, chunk key)
         self._pending: list[tuple[str, tuple[Any, ...]]] = []
         self._lock = threading.Lock()
+        self._path = Path(path) if path is not None else None
         self._db: sqlite3.Connection | None = None
         self._is_failing = False
-        self._retry_at = 0.0  # after a refused write: the memory view answers until then
+        self._retry_at = 0.0  # after a refused write or open: the memory view answers until then
         self._removal_seq = 0  # the last removal seen (`removals`)
         self._own_removals: set[int] = set()
-        if path is not None:
-            self._open(Path(path))
+        self._since = time.time()  # removals before this concern other processes only
+        if self._path is not None:
+            # at start (not on the event loop) wait as long as the other files do for a
+            # replica starting beside this one; later reopens wait 1 s like every write
+            self._open(self._path, open_wait_s)
 
     # -- the file -------------------------------------------------------------------------
-    def _open(self, path: Path) -> None:
+    def _open(self, path: Path, wait_s: float) -> None:
+        """Open the file into `_db`; on failure the memory view answers and the open is retried
+        RETRY_S later (`_is_open`), a corrupt file is set aside."""
         try:
-            self._load(path)
+            self._load(path, wait_s)
         except sqlite3.Error as e:
             code = getattr(e, "sqlite_errorcode", None) or 0
             if code & 0xFF not in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
-                log.warning("chunk registry %s unusable (%s): kept in memory only", path, e)
+                self._failed("open", e)
+                self._retry_at = time.monotonic() + self.RETRY_S
                 return
             # a damaged file: set it aside (never deleted) and keep registering from now on
             aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
@@ -76,44 +86,52 @@ class ChunkRegistry:
                     part = path.with_name(path.name + suffix)
                     if part.exists():
                         os.replace(part, aside.with_name(aside.name + suffix))
-                self._load(path)
+                self._load(path, wait_s)
             except (OSError, sqlite3.Error) as e2:
                 log.warning("chunk registry %s unusable (%s): kept in memory only", path, e2)
+                self._path = None  # nothing to retry: the file cannot be replaced
 
-    def _load(self, path: Path) -> None:
-        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        try:
-            # Writes can run on the event loop: wait at most 1 s for another replica's lock
-            # (then the write stays pending in memory), and no fsync per commit (WAL at NORMAL
-            # survives a killed process; a power cut loses at most the last listings, never a
-            # chunk file).
-            db.execute("PRAGMA busy_timeout=1000")
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS chunks (namespace TEXT, chunk_key TEXT, label TEXT,"
-                " num_tokens INTEGER, PRIMARY KEY (namespace, chunk_key))"
-            )
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS pins (variant_id TEXT PRIMARY KEY, namespace TEXT,"
-                " chunk_key TEXT)"
-            )
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS removals (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
-                " chunk_key TEXT NOT NULL, at REAL NOT NULL)"
-            )
-            # a starting process holds nothing in memory: earlier removals do not concern it
-            self._removal_seq = db.execute("SELECT COALESCE(MAX(seq), 0) FROM removals").fetchone()[
-                0
-            ]
-            for ns, key, label, n in db.execute("SELECT * FROM chunks"):
-                self._keys.setdefault(ns, {})[key] = (label, int(n))
-            for vid, ns, key in db.execute("SELECT * FROM pins"):
-                self._pins[vid] = (ns, key)
-        except BaseException:
-            db.close()
-            raise
-        self._db = db
+    def _is_open(self, force: bool = False) -> bool:
+        """Whether the file is open, opening it again once RETRY_S has passed since a failed
+        open (at once if `force`). Caller holds the lock."""
+        if (
+            self._db is None
+            and self._path is not None
+            and (force or time.monotonic() >= self._retry_at)
+        ):
+            self._open(self._path, 1.0)
+        return self._db is not None
+
+    def _load(self, path: Path, wait_s: float) -> None:
+        self._db = open_shared(path, wait_s, self._setup)
+
+    def _setup(self, db: sqlite3.Connection) -> None:
+        """The tables, and the file's view into memory."""
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS chunks (namespace TEXT, chunk_key TEXT, label TEXT,"
+            " num_tokens INTEGER, PRIMARY KEY (namespace, chunk_key))"
+        )
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS pins (variant_id TEXT PRIMARY KEY, namespace TEXT,"
+            " chunk_key TEXT)"
+        )
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS removals (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+            " chunk_key TEXT NOT NULL, at REAL NOT NULL)"
+        )
+        # a starting process held nothing in memory: removals before it do not concern it
+        # (the same after a late open, which must still hear of the ones since its start)
+        self._removal_seq = db.execute(
+            "SELECT COALESCE(MAX(seq), 0) FROM removals WHERE at < ?", (self._since,)
+        ).fetchone()[0]
+        for ns, key, label, n in db.execute("SELECT * FROM chunks"):
+            self._keys.setdefault(ns, {})[key] = (label, int(n))
+        for vid, ns, key in db.execute("SELECT * FROM pins"):
+            self._pins[vid] = (ns, key)
+        # Writes can run on the event loop: wait at most 1 s for another replica's lock (then
+        # the write stays pending in memory), and no fsync per commit (WAL at NORMAL survives a
+        # killed process; a power cut loses at most the last listings, never a chunk file).
+        db.execute("PRAGMA busy_timeout=1000")
 
     def _failed(self, what: str, error: sqlite3.Error) -> None:
         """Log the first failure of a run of them (a read-only file fails on every access)."""
@@ -127,7 +145,7 @@ class ChunkRegistry:
         """Apply the pending writes in order; True when the file is up to date with this
         process. After a refused write the next try waits RETRY_S (unless `force`), so a
         locked file costs one busy wait per RETRY_S, not one per call. Caller holds the lock."""
-        if self._db is None:
+        if not self._is_open(force):
             return False
         if self._pending and not force and time.monotonic() < self._retry_at:
             return False
@@ -144,7 +162,7 @@ class ChunkRegistry:
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> None:
         """Caller holds the lock and has applied the change to the memory view."""
-        if self._db is not None:
+        if self._path is not None:
             self._pending.append((sql, args))
             self._flush()
 
@@ -232,7 +250,7 @@ class ChunkRegistry:
         of `chunk_key` from the shared tiers: they drop their memory copies (`removals`).
         Without a file, or if the write fails (logged), nobody else hears of it."""
         with self._lock:
-            if self._db is None:
+            if not self._is_open():
                 return
             now = time.time()
             try:
@@ -286,11 +304,12 @@ class ChunkRegistry:
 
     def close(self) -> None:
         with self._lock:
+            if self._path is not None and not self._flush(force=True):
+                log.warning("chunk registry: %d writes lost at close", len(self._pending))
             if self._db is not None:
-                if not self._flush(force=True):
-                    log.warning("chunk registry: %d writes lost at close", len(self._pending))
                 self._db.close()
                 self._db = None
+            self._path = None
 
 
 def open_registry(store: StoreConfig | None) -> ChunkRegistry:

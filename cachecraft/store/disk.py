@@ -38,6 +38,7 @@ from cachecraft.store import codec
 from cachecraft.store.layers import FileLayerReader
 from cachecraft.store.meta import VariantMeta
 from cachecraft.store.policy import VariantStats
+from cachecraft.store.sqlite_file import open_shared
 from cachecraft.store.variant import Variant
 
 logger = logging.getLogger(__name__)
@@ -167,21 +168,15 @@ class DiskTier:
             return self._open_index(path)
 
     def _open_index(self, path: Path) -> sqlite3.Connection:
-        db = sqlite3.connect(path, timeout=30.0, check_same_thread=False, isolation_level=None)
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA busy_timeout=30000")
-            db.execute("PRAGMA synchronous=NORMAL")
+        def setup(db: sqlite3.Connection) -> None:
             for stmt in SCHEMA.strip().split(";"):
                 if stmt.strip():
                     db.execute(stmt)
             check = db.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
                 raise _CorruptIndex(check)
-        except BaseException:
-            db.close()
-            raise
-        return db
+
+        return open_shared(path, 30.0, setup)
 
     # -- transactions ---------------------------------------------------------------------
     @contextmanager

@@ -22,6 +22,7 @@ from typing import Protocol
 import redis
 
 from cachecraft.store.policy import VariantStats
+from cachecraft.store.sqlite_file import open_shared
 
 logger = logging.getLogger(__name__)
 _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -142,13 +143,7 @@ class SqliteTally:
         self._num_sighted = 0
         self._db: sqlite3.Connection | None = None
         try:
-            self._db = sqlite3.connect(
-                self.path, timeout=30.0, check_same_thread=False, isolation_level=None
-            )
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA busy_timeout=30000")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
+            self._db = open_shared(self.path, 30.0, lambda db: db.executescript(_SCHEMA))
         except (sqlite3.Error, OSError) as exc:
             self._fail(exc)
 
