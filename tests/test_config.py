@@ -152,3 +152,20 @@ def test_a_library_logging_at_debug_prints_at_our_level_only() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "kept" in done.stderr and "chatter" not in done.stderr
     assert "TRACE noisy: traced" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("device", "needle"),
+    [("tpu", "unknown device 'tpu'"), ("mps", "runs on cpu or cuda"), ("cuda:99", "cuda:99")],
+)
+def test_serve_on_a_device_this_machine_lacks_stops_in_one_line(
+    capsys: pytest.CaptureFixture[str], device: str, needle: str
+) -> None:
+    """`serve --device` puts the weights, the forward and the memory tier on a GPU; a device
+    this machine cannot use is named before any weights load (mps was a RuntimeError
+    traceback from the RoPE tables)."""
+    from cachecraft.cli import main
+
+    assert main(["serve", "--port", "0", "--cache-dir", "", "--device", device]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and needle in err and "Traceback" not in err, err

@@ -158,6 +158,16 @@ def test_an_unknown_device_is_a_model_load_error(tiny_dir: Path) -> None:
 
     with pytest.raises(ModelLoadError, match="unknown device 'tpu'"):
         LLM(str(tiny_dir), device="tpu")
+    # a device type torch knows but this build cannot use raised a RuntimeError from RoPE
+    with pytest.raises(ModelLoadError, match="'mps': cachecraft runs on cpu or cuda"):
+        LLM(str(tiny_dir), device="mps")
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        with pytest.raises(ModelLoadError, match=f"has {count} CUDA device"):
+            LLM(str(tiny_dir), device=f"cuda:{count}")
+    else:
+        with pytest.raises(ModelLoadError, match="CUDA is not available"):
+            LLM(str(tiny_dir), device="cuda")
 
 
 def test_generate_from_several_threads_answers_as_alone(tiny_dir: Path) -> None:

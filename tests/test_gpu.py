@@ -98,3 +98,39 @@ def test_a_partial_prefill_on_cuda_attends_in_one_call() -> None:
     assert len(plan_rows(rows, None, torch.float32).blocks) == 3
     (block,) = plan_rows(rows.cuda(), None, torch.float32).blocks
     assert block[:3] == (0, rows.numel(), int(rows[-1]) + 1) and block[3].is_cuda
+
+
+def test_a_server_on_cuda_reuses_chunks_from_its_gpu_memory_tier(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """`cachecraft serve --device cuda`: the weights, the forward and the store's memory tier
+    on the GPU (host RAM and disk behind it); a chunk computed once is a hit the second time
+    and answers as a full prefill."""
+    import httpx
+    from test_replicas import DOC, _hits, _text
+
+    from cachecraft.server.launch import start_server
+    from cachecraft.store.config import StoreConfig
+
+    store = StoreConfig(
+        device="cuda", cache_dir=str(tmp_path / "cache"), storage_dtype="float32",
+        doorkeeper_threshold=1,
+    )  # fmt: skip
+    with start_server("cachecraft", model=str(tiny_dir), device="cuda", store=store) as url:
+
+        def ask(mode: str) -> dict:
+            body = {
+                "model": "cachecraft",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Which river?"}],
+                "documents": [DOC],
+                "cachecraft_mode": mode,
+            }
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        full = ask("full")
+        first, second = ask("cachecraft"), ask("cachecraft")
+        assert _hits(first) == [False] and _hits(second) == [True]
+        assert _text(first) == _text(second) == _text(full)

@@ -165,11 +165,17 @@ def load_model(
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     try:
-        torch.device(device)
+        where = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ModelLoadError(f"unknown device {device!r} ({e})") from None
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if where.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {device!r}: cachecraft runs on cpu or cuda")
+    if where.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} asked for but CUDA is not available")
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise ModelLoadError(
+            f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
     if (
         dtype == "bfloat16"
         and device == "cpu"

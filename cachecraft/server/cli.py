@@ -45,6 +45,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="weights and compute (bfloat16: ~3x faster prefill on CPUs with AMX, ~5x slower "
         "on those without; see README)",
     )
+    p.add_argument(
+        "--device",
+        default=store.device,
+        help="where the weights, the forward and the memory tier live: cpu, cuda or cuda:N "
+        "(on a GPU, host RAM is a second tier, --host-bytes)",
+    )
     p.add_argument("--mode", default=engine.mode, choices=MODES, help="default reuse mode")
     p.add_argument(
         "--api-key",
@@ -60,7 +66,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument("--cache-dir", default="./.cachecraft", help="disk tier ('' to disable)")
     p.add_argument("--redis-url", default=None, help="shared Redis tier, e.g. redis://host:6379")
-    p.add_argument("--memory-bytes", type=int, default=store.memory_bytes)
+    p.add_argument(
+        "--memory-bytes",
+        type=int,
+        default=store.memory_bytes,
+        help="the first tier, on --device",
+    )
+    p.add_argument(
+        "--host-bytes",
+        type=int,
+        default=store.host_bytes,
+        help="host RAM between the GPU's memory tier and disk (a GPU --device only)",
+    )
     p.add_argument("--disk-bytes", type=int, default=store.disk_bytes)
     p.add_argument("--redis-bytes", type=int, default=store.redis_bytes)
     p.add_argument(
@@ -189,6 +206,7 @@ def main_serve(args: argparse.Namespace) -> int:
         )
         store = StoreConfig(
             memory_bytes=args.memory_bytes,
+            host_bytes=args.host_bytes,
             disk_bytes=args.disk_bytes,
             redis_bytes=args.redis_bytes,
             cache_dir=cache_dir,
@@ -199,6 +217,7 @@ def main_serve(args: argparse.Namespace) -> int:
             max_variants_per_chunk=args.max_variants_per_chunk,
             storage_dtype=args.storage_dtype,
             max_pinned_bytes_per_namespace=args.max_pinned_bytes_per_namespace,
+            device=args.device,
         )
         engine = EngineConfig(
             token_budget=args.token_budget,
@@ -217,6 +236,7 @@ def main_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
         reuse=reuse_config(**overrides),
         server=server,
         store=store,

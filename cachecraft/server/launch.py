@@ -45,6 +45,7 @@ def build_stack(
     *,
     model: str | None = None,
     dtype: str = "float32",
+    device: str = "cpu",
     loaded: LoadedModel | None = None,
     reuse: ReuseConfig | None = None,
     store: StoreConfig | None = None,
@@ -52,8 +53,9 @@ def build_stack(
 ) -> Stack:
     """A started Engine for `mode` (the server default; requests may override it) over a store
     built from `store`. `mode` and `engine.mode` are one setting: two different values are an
-    error; so are both `model` and `loaded`. `dtype` is the weights' and the compute's
-    (`model` only: a `loaded` model has its own)."""
+    error; so are both `model` and `loaded`. `dtype` is the weights' and the compute's, `device`
+    where they live (`model` only: a `loaded` model has its own; the store's memory tier lives
+    on `store.device`)."""
     if model is not None and loaded is not None:
         raise ValueError("give the model once: `model` (a path) or `loaded`, not both")
     config = engine or EngineConfig()
@@ -61,7 +63,7 @@ def build_stack(
         if engine is not None and config.mode != EngineConfig().mode:
             raise ValueError(f"mode given twice: {mode!r} and engine.mode={config.mode!r}")
         config = dataclasses.replace(config, mode=mode)
-    loaded = loaded or load_model(model, dtype)
+    loaded = loaded or load_model(model, dtype, device)
     chunk_store = make_store(store or StoreConfig())
     runner = Runner(loaded, chunk_store, reuse or ReuseConfig())
     return Stack(Engine(runner, config).start(), chunk_store)
