@@ -106,8 +106,7 @@ def test_a_server_on_cuda_reuses_chunks_from_its_gpu_memory_tier(
     """`cachecraft serve --device cuda`: the weights, the forward and the store's memory tier
     on the GPU (host RAM and disk behind it); a chunk computed once is a hit the second time
     and answers as a full prefill."""
-    import httpx
-    from test_replicas import DOC, _hits, _text
+    from test_replicas import DOC, _hits, _text, ask
 
     from cachecraft.server.launch import start_server
     from cachecraft.store.config import StoreConfig
@@ -117,20 +116,7 @@ def test_a_server_on_cuda_reuses_chunks_from_its_gpu_memory_tier(
         doorkeeper_threshold=1,
     )  # fmt: skip
     with start_server("cachecraft", model=str(tiny_dir), device="cuda", store=store) as url:
-
-        def ask(mode: str) -> dict:
-            body = {
-                "model": "cachecraft",
-                "max_tokens": 8,
-                "messages": [{"role": "user", "content": "Which river?"}],
-                "documents": [DOC],
-                "cachecraft_mode": mode,
-            }
-            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text
-            return r.json()
-
-        full = ask("full")
-        first, second = ask("cachecraft"), ask("cachecraft")
+        full = ask(url, [DOC], "full")
+        first, second = ask(url, [DOC]), ask(url, [DOC])
         assert _hits(first) == [False] and _hits(second) == [True]
         assert _text(first) == _text(second) == _text(full)

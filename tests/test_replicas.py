@@ -22,6 +22,20 @@ DOC = {"id": "fr", "text": "Paris is the capital of France. It lies on the Seine
 OTHER = {"id": "de", "text": "Berlin is the capital of Germany. It lies on the Spree river."}
 
 
+def ask(url: str, docs: list[dict[str, str]], mode: str = "cachecraft") -> dict:
+    """One chat over `docs` in `mode` (8 tokens); the 200 response's body."""
+    body = {
+        "model": "cachecraft",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Which river?"}],
+        "documents": docs,
+        "cachecraft_mode": mode,
+    }
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 class Replica:
     """One `cachecraft serve` child process; its log goes to a file. Its disk tier is
     `cache_dir` (default: its own directory under root); `redis_url` None: no shared tier."""
@@ -57,16 +71,7 @@ class Replica:
         raise AssertionError(f"replica did not start: {self.log.read_text()[-3000:]}")
 
     def ask(self, docs: list[dict[str, str]], mode: str = "cachecraft") -> dict:
-        body = {
-            "model": "cachecraft",
-            "max_tokens": 8,
-            "messages": [{"role": "user", "content": "Which river?"}],
-            "documents": docs,
-            "cachecraft_mode": mode,
-        }
-        r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()
+        return ask(self.url, docs, mode)
 
     def health(self) -> dict:
         r = httpx.get(self.url + "/health", timeout=30)

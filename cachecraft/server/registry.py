@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecraft.store.config import StoreConfig
-from cachecraft.store.sqlite_file import open_shared
+from cachecraft.store.sqlite_file import is_corrupt, open_shared
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,9 @@ class ChunkRegistry:
         """Open the file into `_db`; on failure the memory view answers and the open is retried
         RETRY_S later (`_is_open`), a corrupt file is set aside."""
         try:
-            self._load(path, wait_s)
+            self._db = open_shared(path, wait_s, self._setup)
         except sqlite3.Error as e:
-            code = getattr(e, "sqlite_errorcode", None) or 0
-            if code & 0xFF not in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+            if not is_corrupt(e):
                 self._failed("open", e)
                 self._retry_at = time.monotonic() + self.RETRY_S
                 return
@@ -86,7 +85,7 @@ class ChunkRegistry:
                     part = path.with_name(path.name + suffix)
                     if part.exists():
                         os.replace(part, aside.with_name(aside.name + suffix))
-                self._load(path, wait_s)
+                self._db = open_shared(path, wait_s, self._setup)
             except (OSError, sqlite3.Error) as e2:
                 log.warning("chunk registry %s unusable (%s): kept in memory only", path, e2)
                 self._path = None  # nothing to retry: the file cannot be replaced
@@ -101,9 +100,6 @@ class ChunkRegistry:
         ):
             self._open(self._path, 1.0)
         return self._db is not None
-
-    def _load(self, path: Path, wait_s: float) -> None:
-        self._db = open_shared(path, wait_s, self._setup)
 
     def _setup(self, db: sqlite3.Connection) -> None:
         """The tables, and the file's view into memory."""

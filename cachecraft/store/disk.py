@@ -38,7 +38,7 @@ from cachecraft.store import codec
 from cachecraft.store.layers import FileLayerReader
 from cachecraft.store.meta import VariantMeta
 from cachecraft.store.policy import VariantStats
-from cachecraft.store.sqlite_file import open_shared
+from cachecraft.store.sqlite_file import is_corrupt, open_shared
 from cachecraft.store.variant import Variant
 
 logger = logging.getLogger(__name__)
@@ -89,12 +89,6 @@ class Reindex(NamedTuple):
 
 class _CorruptIndex(Exception):
     """`PRAGMA quick_check` found the index damaged."""
-
-
-def _is_corruption(error: sqlite3.DatabaseError) -> bool:
-    """SQLITE_CORRUPT or SQLITE_NOTADB (primary codes): the file itself is damaged."""
-    code = getattr(error, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -155,7 +149,7 @@ class DiskTier:
         try:
             return self._open_index(path)
         except (sqlite3.DatabaseError, _CorruptIndex) as e:
-            if isinstance(e, sqlite3.DatabaseError) and not _is_corruption(e):
+            if isinstance(e, sqlite3.DatabaseError) and not is_corrupt(e):
                 raise  # locked, read-only, I/O: not ours to repair
             # Every variant file's header carries its row: set the broken index aside (never
             # delete it) and start an empty one, which `recover` fills from the files.

@@ -22,6 +22,12 @@ def is_busy(error: sqlite3.Error) -> bool:
     return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
+def is_corrupt(error: sqlite3.Error) -> bool:
+    """SQLITE_CORRUPT or SQLITE_NOTADB (primary codes): the file itself is damaged."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
 def open_shared(
     path: Path, wait_s: float, setup: Callable[[sqlite3.Connection], None]
 ) -> sqlite3.Connection:
