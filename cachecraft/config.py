@@ -97,6 +97,10 @@ class ReuseConfig:
     chunks. Same computed tokens, no second pass over the question. 1.0 until the
     twenty-ninth session (ablation `cachecraft-probe-at-budget`); None: always probe
     (ablation `cachecraft-always-probe`)."""
+    probe_skip_share: float = 1.0
+    """cachecraft: the share of a skipped probe's cost (probe_max_cost) added to the budget of
+    the check that replaces it: 1.0, as many computed tokens as with the probe; 0.0, the CFO
+    budget alone (the probe's rows saved; ablation `cachecraft-skip-at-budget`)."""
     probe_check_score: Literal["product", "deviation"] = "product"
     """At the check: 'product' ranks by question attention (to probe_check_power) x K/V
     deviation (the first-order change a token's stale K/V make to the question's attention

@@ -406,6 +406,19 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
         plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=-1.0))
 
 
+def test_a_skipped_probe_gives_the_share_of_its_rows_it_is_told_to() -> None:
+    # As above: budget 2, a probe costing 2.0 rows, skipped at probe_max_cost 0.5.
+    lay = layout("X", "A")
+    variants = {"A": [variant("A", ("Y",))]}
+    for share, total in ((1.0, 2 + 2), (0.5, 2 + 1), (0.0, 2)):
+        p = plan("cachecraft", variants, lay, ReuseConfig(probe_skip_share=share))
+        assert p.probe is None and p.deviation is not None
+        assert p.deviation.total == total == p.chunks[1].budget
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="probe_skip_share"):
+            plan("cachecraft", variants, lay, ReuseConfig(probe_skip_share=bad))
+
+
 def test_a_zero_budget_runs_no_probe() -> None:
     # A cached after (X) reused after (X): beta 1, CFO 0: nothing to recompute, nothing to probe.
     lay = layout("X", "A")

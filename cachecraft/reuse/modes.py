@@ -304,7 +304,8 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
         return _plan(inp, "cachecraft", [_planned(c) for c in chunks])
     cost = probe_cost(inp.layout, inp.prefix_hit, config, inp.num_layers)
     if config.probe_max_cost is not None and cost > config.probe_max_cost * total:
-        return _check_instead_of_probe(inp, chunks, total + math.ceil(cost - 1e-9))
+        extra = math.ceil(config.probe_skip_share * cost - 1e-9)
+        return _check_instead_of_probe(inp, chunks, total + extra)
     focus = config.focus_threshold if config.early_termination else 0.0
     probe = _probe(inp, total, config.probe_split, focus, config.probe_check, config.probe_sink)
     return _plan(inp, "cachecraft", chunks, probe=probe)
