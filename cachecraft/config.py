@@ -97,12 +97,6 @@ class ReuseConfig:
     chunks. Same computed tokens, no second pass over the question. 1.0 until the
     twenty-ninth session (ablation `cachecraft-probe-at-budget`); None: always probe
     (ablation `cachecraft-always-probe`)."""
-    probe_floor: float = 0.0
-    """cachecraft, global split with the check: each reused chunk keeps at least this share
-    of its own CFO budget (ceil(probe_floor x CFO x |C|) tokens, by the check's rank within
-    the chunk) before the rest of the request's budget goes to the best tokens of all chunks;
-    it gets at least probe_check x that many candidates. 0.0: one budget, no floor (ablation
-    `cachecraft-floor` = 0.5)."""
     probe_skip_share: float = 1.0
     """cachecraft: the share of a skipped probe's cost (probe_max_cost) added to the budget of
     the check that replaces it: 1.0, as many computed tokens as with the probe; 0.0, the CFO

@@ -56,16 +56,3 @@ def test_a_sink_keeps_each_spans_first_tokens_then_the_most_deviating() -> None:
     # a total smaller than the sinks keeps the first spans' first tokens only
     keep = DeviationSelect(((10, 12, 0), (12, 14, 0)), total=1, sink=1)(_view(dev))
     assert keep.tolist() == [True, False, False, False]
-
-
-def test_a_floor_keeps_each_spans_best_before_the_global_pick() -> None:
-    dev = [4.0, 3.0, 1.0, 2.0]  # positions 10..13; spans 10-11 and 12-13
-    spans = ((10, 12, 0), (12, 14, 0))
-    # without a floor the two largest deviations are both in the first span
-    assert DeviationSelect(spans, total=2)(_view(dev)).tolist() == [True, True, False, False]
-    # a floor of one in the second span keeps its best (13), then the best of the rest (10)
-    keep = DeviationSelect(spans, total=2, floors=(0, 1))(_view(dev))
-    assert keep.tolist() == [True, False, False, True]
-    # floors count in the total: a total of one goes to the floor alone
-    keep = DeviationSelect(spans, total=1, floors=(0, 1))(_view(dev))
-    assert keep.tolist() == [False, False, False, True]

@@ -7,7 +7,6 @@ Layout used throughout: prefix (3 tokens) | A (4) | B (5) | C (3) | question (2)
 from __future__ import annotations
 
 import dataclasses
-import math
 import subprocess
 import sys
 
@@ -349,34 +348,3 @@ def test_probe_sink_ranks_each_chunks_first_tokens_first(check: float) -> None:
     assert all(0 in c.recompute for c in picked)
     assert not any(0 in c.recompute for c in plain.chunks if c.variant is not None)
     assert sum(c.budget for c in sunk.chunks) == sum(c.budget for c in plain.chunks)
-
-
-def test_probe_floor_gives_every_stale_chunk_its_share_before_the_global_pick() -> None:
-    """The question reads one chunk only: without a floor the check ranks every candidate
-    together; with probe_floor 0.5 each chunk keeps ceil(0.5 x CFO x |C|) at the check first,
-    and has at least probe_check x that many candidates."""
-    base = dataclasses.replace(CONFIG, probe_check=3.0, probe_sink=0, probe_max_cost=None)
-    stale_all = {"A": [variant("A", ("X",))], "B": [V_B], "D": [variant("D", ("X",))]}
-    lay = layout("A", "B", "D")
-    p = plan("cachecraft", stale_all, base, lay=lay)
-    probed = [i for i, c in enumerate(p.chunks) if c.select == "probe"]
-    stale = [i for i in probed if (p.chunks[i].cfo or 0.0) > 0]
-    assert len(stale) == 3
-    att = [None] * len(p.chunks)
-    for i in probed:  # the first probed chunk holds all the question's attention
-        att[i] = [100.0 if i == probed[0] else 0.0] * p.chunks[i].slot.num_tokens
-    plain = resolve_probe(p, att)
-    assert plain.deviation is not None and plain.deviation.floors is None
-    floored = resolve_probe(
-        plan("cachecraft", stale_all, dataclasses.replace(base, probe_floor=0.5), lay=lay), att
-    )
-    assert floored.deviation is not None
-    floors = floored.deviation.floors
-    assert floors is not None and sum(floors) <= floored.deviation.total
-    for i in stale:
-        c = floored.chunks[i]
-        want = math.ceil(0.5 * c.cfo * c.slot.num_tokens - 1e-9)
-        assert floors[i] == want > 0
-        assert len(c.recompute) >= min(math.ceil(3.0 * want), c.slot.num_tokens)
-    with pytest.raises(ValueError, match="probe_floor"):
-        plan("cachecraft", config=dataclasses.replace(base, probe_floor=1.5))

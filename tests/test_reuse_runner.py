@@ -279,7 +279,6 @@ EVERYTHING = dict(
         ("cachecraft", {"probe_blend": 1.0, "probe_last_layer": 1}),
         ("cachecraft", {"probe_depth": 0.5}),
         ("cachecraft", {"probe_max_cost": 0.0}),  # the check instead of the probe
-        ("cachecraft", {"probe_floor": 0.5}),
         ("cachecraft-paper", {}),
         ("prophet", {}),
         ("epic", {}),

@@ -77,7 +77,6 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-always-probe": {"probe_max_cost": None},
     "cachecraft-probe-at-budget": {"probe_max_cost": 1.0},
     "cachecraft-skip-at-budget": {"probe_skip_share": 0.0},
-    "cachecraft-floor": {"probe_floor": 0.5},
     "cachecraft-refresh": {"refresh_error": 0.75},
     "cachecraft-no-inherit": {"inherit_error": False},
     "cachecraft-beta-paper": {"beta_rule": "paper"},

@@ -62,9 +62,6 @@ class DeviationSelect:
     sink: int = 0
     """The first `sink` positions of each span are kept first, whatever their deviation (they
     count in the budget or the total)."""
-    floors: tuple[int, ...] | None = None
-    """With `total`, per span: how many of its best rows keep going before the global pick
-    (they count in the total)."""
 
     def __call__(self, view: LayerView) -> torch.Tensor | None:
         assert view.k_old is not None and view.v_old is not None
@@ -75,7 +72,7 @@ class DeviationSelect:
         keep = torch.ones_like(view.positions, dtype=torch.bool)
         in_spans = torch.zeros_like(keep)
         left = self.total  # the global pick's tokens still to give (None: per span)
-        for k, (start, end, budget) in enumerate(self.spans):
+        for start, end, budget in self.spans:
             rows = torch.nonzero(_in_span(view.positions, start, end)).flatten()
             keep[rows] = False
             if self.sink > 0:  # rows ascend by position: a span's first tokens come first
@@ -87,12 +84,6 @@ class DeviationSelect:
                     budget -= lifted.numel()
                 else:
                     left -= lifted.numel()
-            if left is not None and self.floors is not None and rows.numel():
-                floor = min(self.floors[k], left, rows.numel())
-                if floor > 0:
-                    keep[rows[torch.topk(dev[rows], floor).indices]] = True
-                    rows = rows[~keep[rows]]
-                    left -= floor
             in_spans[rows] = True
             if left is None and budget > 0 and rows.numel():
                 top = torch.topk(dev[rows], min(budget, rows.numel())).indices

@@ -282,26 +282,16 @@ class Runner:
                     layout.question_start, bounds, eligible, early.threshold
                 )
                 hooks[early.layer] = job.early_exit
-        check_plan = plan.deviation
-        if check_plan is not None:
-            checked = [
-                i
-                for i, cp in enumerate(plan.chunks)
-                if cp.variant is not None and cp.select == "deviation"
-            ]
+        if plan.deviation is not None:
             spans = tuple(
-                (plan.chunks[i].slot.start, plan.chunks[i].slot.end, plan.chunks[i].budget)
-                for i in checked
+                (cp.slot.start, cp.slot.end, cp.budget)
+                for cp in plan.chunks
+                if cp.variant is not None and cp.select == "deviation"
             )
             if spans:
                 weights = self._deviation_weights(plan)
-                floors = None
-                if check_plan.floors is not None:
-                    floors = tuple(check_plan.floors[i] for i in checked)
-                check = DeviationSelect(
-                    spans, check_plan.total, weights, check_plan.sink, floors=floors
-                )
-                hooks[min(check_plan.layer, top)] = check
+                check = DeviationSelect(spans, plan.deviation.total, weights, plan.deviation.sink)
+                hooks[min(plan.deviation.layer, top)] = check
                 job.work.hooks_need_old = True
         job.work.hooks = hooks
 

@@ -270,7 +270,6 @@ def _probe(
         inp.num_layers,
         sink,
         c.probe_check_power,
-        floor=c.probe_floor,
     )
 
 

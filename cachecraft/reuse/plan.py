@@ -165,9 +165,6 @@ class DeviationCheck:
     weights: tuple[tuple[float, ...] | None, ...] | None = None
     sink: int = 0
     """The first `sink` tokens of each checked chunk are kept first, whatever their deviation."""
-    floors: tuple[int, ...] | None = None
-    """With `total`: per chunk of the plan, how many of its candidates keep going first (its
-    best by the check's rank); the rest of `total` goes to the best of all chunks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,9 +199,6 @@ class ProbeCheck:
     """The first `sink` tokens of each probed chunk rank above every other token."""
     check_power: float = 1.0
     """'product': the question attention enters the check's rank as attention ** this."""
-    floor: float = 0.0
-    """With the check and a split across chunks: each chunk keeps at least this share of its
-    own CFO budget (`DeviationCheck.floors`)."""
 
     @property
     def layer_share(self) -> float:

@@ -78,8 +78,6 @@ def check_config(config: ReuseConfig) -> None:
         raise ValueError("probe_blend must be >= 0")
     if config.probe_max_cost is not None and config.probe_max_cost < 0.0:
         raise ValueError("probe_max_cost must be >= 0 (or None: always probe)")
-    if not 0.0 <= config.probe_floor <= 1.0:
-        raise ValueError("probe_floor must be in [0, 1]")
     if not 0.0 <= config.probe_skip_share <= 1.0:
         raise ValueError("probe_skip_share must be in [0, 1]")
     if config.probe_check < 0.0:

@@ -151,15 +151,11 @@ def select_by_question(
     else:
         counts = _global_counts(idx, scores, weight, probe.total)
     checked = probe.check > 0 and sum(counts.values()) > 0
-    floors: dict[int, int] = {}
     if checked:
         if probe.split == "chunk":
             wide = {i: math.ceil(probe.check * counts[i] - 1e-9) for i in idx}
         else:
             wide = _global_counts(idx, scores, weight, math.ceil(probe.check * probe.total - 1e-9))
-            floors = _floors(plan, idx, probe.total, probe.floor)
-            for i, f in floors.items():  # a floor needs candidates to choose from
-                wide[i] = max(wide[i], math.ceil(probe.check * f - 1e-9))
     chunks = list(plan.chunks)
     weights: list[tuple[float, ...] | None] = [None] * len(chunks)
     power = probe.check_power if probe.check_score == "product" else 0.0  # 0: deviation alone
@@ -183,20 +179,5 @@ def select_by_question(
     if not checked:
         return replace(plan, chunks=tuple(chunks))
     total = None if probe.split == "chunk" else probe.total
-    floor = None
-    if any(floors.values()):
-        floor = tuple(min(floors.get(i, 0), len(c.recompute)) for i, c in enumerate(chunks))
-    check = DeviationCheck(probe.check_layer, total, tuple(weights), floors=floor)
+    check = DeviationCheck(probe.check_layer, total, tuple(weights))
     return replace(plan, chunks=tuple(chunks), deviation=check)
-
-
-def _floors(plan: RecomputePlan, idx: Sequence[int], total: int, share: float) -> dict[int, int]:
-    """Per probed chunk, ceil(share x CFO x |C|) tokens it keeps at the check whatever the
-    other chunks' ranks, cut (last chunks first) to add up to at most `total`."""
-    out, left = {}, total
-    for i in idx:
-        c = plan.chunks[i]
-        want = math.ceil(share * (c.cfo or 0.0) * c.slot.num_tokens - 1e-9) if share > 0 else 0
-        out[i] = min(want, c.slot.num_tokens, left)
-        left -= out[i]
-    return out
