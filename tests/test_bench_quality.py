@@ -97,6 +97,12 @@ def test_matched_budgets_request_by_request(all_modes: dict) -> None:
     assert all(r["probe_fraction"] == 0 for r in requests["epic"])
     naive = [r["computed_fraction"] for r in requests["naive"]]
     assert all(n <= c for n, c in zip(naive, ref, strict=True))
+    # each record keeps its plan per chunk: full computes every token, naive none it reused
+    assert any(c["reason"] == "none" for r in requests["naive"] for c in r["chunks"])
+    for full, nv in zip(requests["full"], requests["naive"], strict=True):
+        assert full["chunks"] and all(c["recomputed"] == c["tokens"] for c in full["chunks"])
+        assert [c["tokens"] for c in nv["chunks"]] == [c["tokens"] for c in full["chunks"]]
+        assert all(c["recomputed"] == 0 for c in nv["chunks"] if c["reason"] == "none")
 
 
 def test_matched_budgets_when_cachecraft_skips_its_probe(tiny: LoadedModel) -> None:

@@ -249,6 +249,10 @@ def _compare(item: WorkloadItem, ref: Answer, got: Answer, shape: ModelShape) ->
         "tf_agreement": float(agree.float().mean()),
         "f1": token_f1(got.text, item.answers) if item.answers else None,
         "em": exact_match(got.text, item.answers) if item.answers else None,
+        "chunks": [
+            {"reason": c.reason, "tokens": c.num_tokens, "recomputed": c.tokens_recomputed}
+            for c in chunks
+        ],  # the plan per chunk, for request-level study (summaries leave it out)
     }
 
 
