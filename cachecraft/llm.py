@@ -104,7 +104,8 @@ class LLM:
     already (several LLMs may share its weights; dtype and device are then the model's).
     `store`: a ChunkStore, a StoreConfig to build one from (its `device` is where the memory
     tier lives, the CPU unless set, whatever `device` says), or None for an in-memory LRU
-    store (`MemoryStore`, 2 GiB, host memory). `config` (a ReuseConfig) or `**reuse` (its fields), not both.
+    store (`MemoryStore`, 2 GiB, host memory). `config` (a ReuseConfig) or `**reuse` (its
+    fields), not both.
     `engine`: the EngineConfig of its step loop (None: the defaults).
 
     Thread-safe: calls from several threads run one after another; to batch requests, give

@@ -16,16 +16,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def _primary_code(error: sqlite3.Error) -> int | None:
+    """The error's primary result code (the low byte of its extended code), if it has one."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return None if code is None else code & 0xFF
+
+
 def is_busy(error: sqlite3.Error) -> bool:
     """SQLITE_BUSY or SQLITE_LOCKED (primary codes): another connection holds the lock."""
-    code = getattr(error, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return _primary_code(error) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def is_corrupt(error: sqlite3.Error) -> bool:
     """SQLITE_CORRUPT or SQLITE_NOTADB (primary codes): the file itself is damaged."""
-    code = getattr(error, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+    return _primary_code(error) in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
 def open_shared(
