@@ -74,6 +74,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-half-probe": {"probe_depth": 0.5},
     "cachecraft-full-probe": {"probe_depth": 1.0},
     "cachecraft-no-sink": {"probe_sink": 0},
+    "cachecraft-tail-rows-8": {"probe_rows": 8},
+    "cachecraft-last-row": {"probe_rows": 1},
     "cachecraft-always-probe": {"probe_max_cost": None},
     "cachecraft-probe-at-budget": {"probe_max_cost": 1.0},
     "cachecraft-skip-at-budget": {"probe_skip_share": 0.0},

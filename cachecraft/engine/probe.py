@@ -82,7 +82,12 @@ def probe_work(model: LlamaModel, kv: KVCache, plan: RecomputePlan) -> Probe:
         torch.tensor(rows, dtype=torch.long),
         last_layer=None if probe.last_layer >= top else torch.full((n,), probe.last_layer),
         logits_for="none",
-        meter=KeyMeter(m, probe.first_layer, probe.last_layer),
+        meter=KeyMeter(
+            m,
+            probe.first_layer,
+            probe.last_layer,
+            None if probe.rows is None else m + max(q - probe.rows, 0),
+        ),
     )
     return Probe(work, where)
 

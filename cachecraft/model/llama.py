@@ -150,7 +150,7 @@ class _Rows:
         assert meter is not None
         if self.meter_at is not self.positions:
             self.meter_at = self.positions
-            rows = self.positions >= meter.start
+            rows = self.positions >= (meter.start if meter.rows_from is None else meter.rows_from)
             self.meter_plan = (
                 plan_meter(self.positions, window, num_heads, num_kv, rows)
                 if bool(rows.any())
