@@ -88,11 +88,10 @@ class ReuseConfig:
     the probe's ranking (a chunk's first tokens stood at its start when it was cached: its own
     attention sink); the check layer still weighs them by their K/V deviation. 0: question
     attention alone ranks them (ablation `cachecraft-no-sink`)."""
-    probe_rows: int | None = None
-    """cachecraft: the probe's measure comes from the question's last probe_rows rows (the
-    ones nearest the answer, the chat template's tail among them); every question row still
-    runs, the last ones reading the earlier ones' K/V, so the cost is the same. None: every
-    question row reports (ablations `cachecraft-tail-rows-8`, `cachecraft-last-row`)."""
+    probe_last_row: float = 0.0
+    """cachecraft and prophet: the share of the probe's measure taken from the question's last
+    row (the one the first answer token comes from); the rest is the mean over every question
+    row. 1.0: the last row alone; 0.0: every row alike. Same cost: every row runs."""
     probe_max_cost: float | None = 0.5
     """cachecraft: the probe runs only while its cost (rows x layers run / L) is at most this
     many times the recompute budget it steers. Above that (a long question over few reused
@@ -159,13 +158,11 @@ class ReuseConfig:
                 f"min_fix and max_fix must satisfy 0 <= min_fix <= max_fix <= 1, got "
                 f"{self.min_fix} and {self.max_fix}"
             )
-        if self.probe_rows is not None and self.probe_rows < 1:
-            raise ValueError(f"probe_rows must be >= 1 (or None: every row), got {self.probe_rows}")
         if self.stats_stride < 1:
             raise ValueError(f"stats_stride must be >= 1, got {self.stats_stride}")
         if self.focus_threshold < 0:  # above 1: every chunk is unfocused (tests use it)
             raise ValueError(f"focus_threshold must be >= 0, got {self.focus_threshold}")
-        for name in ("novel_prefix_min_fix", "cacheblend_ratio"):
+        for name in ("novel_prefix_min_fix", "cacheblend_ratio", "probe_last_row"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in (

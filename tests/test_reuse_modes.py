@@ -449,6 +449,8 @@ def test_resolve_rejects_attention_of_the_wrong_shape() -> None:
         {"probe_blend": -1.0},
         {"probe_check": -1.0},
         {"probe_check_score": "magic"},
+        {"probe_last_row": 1.5},
+        {"probe_last_row": -0.1},
     ],
 )
 def test_bad_settings_are_clear_errors(bad: dict) -> None:

@@ -375,7 +375,7 @@ def test_probe_changes_no_reused_kv_and_measures_question_attention(probing_llm:
     assert torch.allclose(got, per_chunk, atol=1e-5)
 
 
-def test_a_probe_of_the_last_rows_measures_only_what_they_attend(probing_llm: LLM) -> None:
+def test_a_probe_weighs_the_last_row_as_it_is_told_to(probing_llm: LLM) -> None:
     from dataclasses import replace
 
     from cachecraft.engine.probe import probe_attention
@@ -384,29 +384,26 @@ def test_a_probe_of_the_last_rows_measures_only_what_they_attend(probing_llm: LL
     llm = probing_llm
     _run(llm, _req([0, 1, 2]), "naive")
     plan, kv = _spliced(llm, _req([2, 1, 0]))
-    assert plan.probe is not None
+    assert plan.probe is not None and plan.probe.last_row == 0.0
     k0, v0 = kv.k.clone(), kv.v.clone()
+    got = {}
+    for share in (0.0, 0.5, 1.0):
+        kv.k, kv.v = k0.clone(), v0.clone()
+        weighed = replace(plan, probe=replace(plan.probe, last_row=share))
+        got[share] = torch.tensor([sum(a) for a in probe_attention(llm.loaded.model, kv, weighed)])
+    # The model's own span statistics per question row (layer means), over a fresh copy.
     layout = plan.layout
-    q = layout.num_tokens - layout.question_start
-    every = probe_attention(llm.loaded.model, kv, plan)
-    kv.k, kv.v = k0.clone(), v0.clone()
-    all_rows = probe_attention(
-        llm.loaded.model, kv, replace(plan, probe=replace(plan.probe, rows=q + 5))
-    )
-    assert all_rows == every  # more rows than the question has: every row
-    kv.k, kv.v = k0.clone(), v0.clone()
-    last2 = probe_attention(llm.loaded.model, kv, replace(plan, probe=replace(plan.probe, rows=2)))
-    # The model's own span statistics of the question rows, the last two of them averaged.
     kv.k, kv.v = k0.clone(), v0.clone()
     rows = torch.arange(layout.question_start, layout.num_tokens)
     bounds = torch.tensor([(c.slot.start, c.slot.end) for c in plan.chunks])
-    work = SeqWork(
-        kv, torch.tensor(layout.question_ids), rows, span_bounds=bounds, logits_for="none"
-    )
+    ids = torch.tensor(layout.question_ids)
+    work = SeqWork(kv, ids, rows, span_bounds=bounds, logits_for="none")
     per_row = llm.loaded.model.forward_step([work])[0].row_span_mass  # [rows, chunks]
-    got = torch.tensor([sum(a) for a in last2])
-    assert torch.allclose(got, per_row[-2:].mean(0), atol=1e-5)
-    assert not torch.allclose(got, per_row.mean(0), atol=1e-3)
+    every, last = per_row.mean(0), per_row[-1]
+    assert not torch.allclose(every, last, atol=1e-3)
+    assert torch.allclose(got[0.0], every, atol=1e-5)
+    assert torch.allclose(got[1.0], last, atol=1e-5)
+    assert torch.allclose(got[0.5], (every + last) / 2, atol=1e-5)
 
 
 def test_probe_leaves_out_chunks_without_kv(probing_llm: LLM) -> None:

@@ -82,12 +82,7 @@ def probe_work(model: LlamaModel, kv: KVCache, plan: RecomputePlan) -> Probe:
         torch.tensor(rows, dtype=torch.long),
         last_layer=None if probe.last_layer >= top else torch.full((n,), probe.last_layer),
         logits_for="none",
-        meter=KeyMeter(
-            m,
-            probe.first_layer,
-            probe.last_layer,
-            None if probe.rows is None else m + max(q - probe.rows, 0),
-        ),
+        meter=KeyMeter(m, probe.first_layer, probe.last_layer, probe.last_row),
     )
     return Probe(work, where)
 

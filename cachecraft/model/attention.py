@@ -254,15 +254,23 @@ class MeterPlan:
 
 
 def plan_meter(
-    q_pos: torch.Tensor, window: int | None, num_heads: int, num_kv: int, meter_rows: torch.Tensor
+    q_pos: torch.Tensor,
+    window: int | None,
+    num_heads: int,
+    num_kv: int,
+    meter_rows: torch.Tensor,
+    last_row: float = 0.0,
 ) -> MeterPlan:
     """The MeterPlan of sorted positions q_pos [n] (keys 0..q_pos[-1]) whose rows
-    `meter_rows` (bool [n], at least one) report key mass."""
+    `meter_rows` (bool [n], at least one, the last row among them when last_row > 0) report
+    key mass: their mean weighs 1 - last_row, the last row alone last_row."""
     group = num_heads // num_kv
     allowed = _mask(q_pos, int(q_pos[-1]) + 1, window)
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q_pos.device)
     bias.masked_fill_(~allowed, float("-inf"))
-    weights = meter_rows.to(torch.float32) / (num_heads * int(meter_rows.sum()))
+    weights = meter_rows.to(torch.float32) * (1.0 - last_row) / int(meter_rows.sum())
+    weights[-1] += last_row
+    weights /= num_heads
     return MeterPlan(bias.repeat(group, 1)[None], weights.repeat(group))
 
 

@@ -150,9 +150,9 @@ class _Rows:
         assert meter is not None
         if self.meter_at is not self.positions:
             self.meter_at = self.positions
-            rows = self.positions >= (meter.start if meter.rows_from is None else meter.rows_from)
+            rows = self.positions >= meter.start
             self.meter_plan = (
-                plan_meter(self.positions, window, num_heads, num_kv, rows)
+                plan_meter(self.positions, window, num_heads, num_kv, rows, meter.last_row)
                 if bool(rows.any())
                 else None
             )

@@ -44,14 +44,15 @@ that row after this layer; its K/V at higher layers stay as given) or None to ke
 
 @dataclass(frozen=True, slots=True)
 class KeyMeter:
-    """The question probe's measure: the rows at positions >= `rows_from` (None: `start`)
-    report, at layers first_layer..last_layer, the attention they give each key position
-    below `start` (mean over heads and those rows, then over the layers): SeqResult.key_mass."""
+    """The question probe's measure: the rows at positions >= `start` report, at layers
+    first_layer..last_layer, the attention they give each key position below `start` (mean
+    over heads, then over the layers; over the rows, the last one weighs `last_row` and the
+    mean of all of them the rest): SeqResult.key_mass."""
 
     start: int
     first_layer: int
     last_layer: int
-    rows_from: int | None = None
+    last_row: float = 0.0
 
 
 @dataclass(slots=True)

@@ -199,8 +199,8 @@ class ProbeCheck:
     """The first `sink` tokens of each probed chunk rank above every other token."""
     check_power: float = 1.0
     """'product': the question attention enters the check's rank as attention ** this."""
-    rows: int | None = None
-    """Only the question's last `rows` rows report their attention (None: every one)."""
+    last_row: float = 0.0
+    """The share of the measure from the question's last row (the rest: every row's mean)."""
 
     @property
     def layer_share(self) -> float:
