@@ -370,7 +370,8 @@ def test_probe_changes_no_reused_kv_and_measures_question_attention(probing_llm:
     ids = torch.tensor(layout.question_ids)
     work = SeqWork(kv, ids, rows, span_bounds=bounds, logits_for="none")
     res = llm.loaded.model.forward_step([work])[0]
-    per_chunk = res.row_span_mass.mean(0)  # [chunks], mean over rows of the layer mean
+    w = plan.probe.last_row  # the last row's share; the mean over rows (of layer means) the rest
+    per_chunk = (1 - w) * res.row_span_mass.mean(0) + w * res.row_span_mass[-1]  # [chunks]
     got = torch.tensor([sum(a) for a in att])
     assert torch.allclose(got, per_chunk, atol=1e-5)
 
@@ -384,7 +385,7 @@ def test_a_probe_weighs_the_last_row_as_it_is_told_to(probing_llm: LLM) -> None:
     llm = probing_llm
     _run(llm, _req([0, 1, 2]), "naive")
     plan, kv = _spliced(llm, _req([2, 1, 0]))
-    assert plan.probe is not None and plan.probe.last_row == 0.0
+    assert plan.probe is not None and plan.probe.last_row == 0.5  # the default
     k0, v0 = kv.k.clone(), kv.v.clone()
     got = {}
     for share in (0.0, 0.5, 1.0):

@@ -74,7 +74,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-half-probe": {"probe_depth": 0.5},
     "cachecraft-full-probe": {"probe_depth": 1.0},
     "cachecraft-no-sink": {"probe_sink": 0},
-    "cachecraft-last-half": {"probe_last_row": 0.5},
+    "cachecraft-every-row": {"probe_last_row": 0.0},
     "cachecraft-last-row": {"probe_last_row": 1.0},
     "cachecraft-always-probe": {"probe_max_cost": None},
     "cachecraft-probe-at-budget": {"probe_max_cost": 1.0},
