@@ -12,8 +12,10 @@ from cachecraft.config import MODES
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError, ContextLengthError
 from cachecraft.llm import LLM
+from cachecraft.model.kv import KVCache
 from cachecraft.request import DEFAULT_SYSTEM, Chunk, RagRequest
 from cachecraft.reuse.layout import QUESTION_BLOCK, QUESTION_KEEP, build_layout, template_parts
+from cachecraft.reuse.plan import RecomputePlan
 from cachecraft.store.memory import MemoryStore
 
 DOCS = [
@@ -346,9 +348,21 @@ def _spliced(llm: LLM, request: RagRequest):
     return plan, kv
 
 
+def _question_span_mass(llm: LLM, plan: RecomputePlan, kv: KVCache) -> torch.Tensor:
+    """The model's own span statistics of the question rows over `kv` (written to):
+    [rows, chunks], each row's attention mass on each chunk, mean over heads and layers."""
+    from cachecraft.model.step import SeqWork
+
+    layout = plan.layout
+    rows = torch.arange(layout.question_start, layout.num_tokens)
+    bounds = torch.tensor([(c.slot.start, c.slot.end) for c in plan.chunks])
+    ids = torch.tensor(layout.question_ids)
+    work = SeqWork(kv, ids, rows, span_bounds=bounds, logits_for="none")
+    return llm.loaded.model.forward_step([work])[0].row_span_mass
+
+
 def test_probe_changes_no_reused_kv_and_measures_question_attention(probing_llm: LLM) -> None:
     from cachecraft.engine.probe import probe_attention
-    from cachecraft.model.step import SeqWork
 
     llm = probing_llm
 
@@ -363,15 +377,10 @@ def test_probe_changes_no_reused_kv_and_measures_question_attention(probing_llm:
     assert torch.equal(kv.v[:, :, :qs], v0[:, :, :qs])
     assert [len(a) for a in att] == [c.slot.num_tokens for c in plan.chunks]
     # Same numbers from the model's own span statistics: the question rows over a copy.
-    layout = plan.layout
     kv.k, kv.v = k0.clone(), v0.clone()
-    rows = torch.arange(layout.question_start, layout.num_tokens)
-    bounds = torch.tensor([(c.slot.start, c.slot.end) for c in plan.chunks])
-    ids = torch.tensor(layout.question_ids)
-    work = SeqWork(kv, ids, rows, span_bounds=bounds, logits_for="none")
-    res = llm.loaded.model.forward_step([work])[0]
-    w = plan.probe.last_row  # the last row's share; the mean over rows (of layer means) the rest
-    per_chunk = (1 - w) * res.row_span_mass.mean(0) + w * res.row_span_mass[-1]  # [chunks]
+    per_row = _question_span_mass(llm, plan, kv)
+    w = plan.probe.last_row  # the last row's share; the mean over rows the rest
+    per_chunk = (1 - w) * per_row.mean(0) + w * per_row[-1]  # [chunks]
     got = torch.tensor([sum(a) for a in att])
     assert torch.allclose(got, per_chunk, atol=1e-5)
 
@@ -380,7 +389,6 @@ def test_a_probe_weighs_the_last_row_as_it_is_told_to(probing_llm: LLM) -> None:
     from dataclasses import replace
 
     from cachecraft.engine.probe import probe_attention
-    from cachecraft.model.step import SeqWork
 
     llm = probing_llm
     _run(llm, _req([0, 1, 2]), "naive")
@@ -392,14 +400,8 @@ def test_a_probe_weighs_the_last_row_as_it_is_told_to(probing_llm: LLM) -> None:
         kv.k, kv.v = k0.clone(), v0.clone()
         weighed = replace(plan, probe=replace(plan.probe, last_row=share))
         got[share] = torch.tensor([sum(a) for a in probe_attention(llm.loaded.model, kv, weighed)])
-    # The model's own span statistics per question row (layer means), over a fresh copy.
-    layout = plan.layout
     kv.k, kv.v = k0.clone(), v0.clone()
-    rows = torch.arange(layout.question_start, layout.num_tokens)
-    bounds = torch.tensor([(c.slot.start, c.slot.end) for c in plan.chunks])
-    ids = torch.tensor(layout.question_ids)
-    work = SeqWork(kv, ids, rows, span_bounds=bounds, logits_for="none")
-    per_row = llm.loaded.model.forward_step([work])[0].row_span_mass  # [rows, chunks]
+    per_row = _question_span_mass(llm, plan, kv)
     every, last = per_row.mean(0), per_row[-1]
     assert not torch.allclose(every, last, atol=1e-3)
     assert torch.allclose(got[0.0], every, atol=1e-5)
