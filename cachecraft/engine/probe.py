@@ -90,9 +90,10 @@ def probe_work(model: LlamaModel, kv: KVCache, plan: RecomputePlan) -> Probe:
 def probe_attention(
     model: LlamaModel, kv: KVCache, plan: RecomputePlan
 ) -> list[list[float] | None]:
-    """Per chunk of `plan`, the question's attention on each of its tokens (mean over heads,
-    question rows and the probe's layers); None for chunks not reused. One probe alone
-    (`probe_work` and its forward)."""
+    """Per chunk of `plan`, the question's attention on each of its tokens (mean over heads
+    and the probe's layers; over the question rows, the last weighs `probe.last_row` and the
+    mean of all the rest); None for chunks not reused. One probe alone (`probe_work` and its
+    forward)."""
     probe = probe_work(model, kv, plan)
     return probe.scores(model.forward_step([probe.work])[0])
 
