@@ -270,7 +270,7 @@ def _probe(
         inp.num_layers,
         sink,
         c.probe_check_power,
-        c.probe_last_row,
+        last_row=c.probe_last_row,
     )
 
 
