@@ -419,6 +419,28 @@ def test_a_skipped_probe_gives_the_share_of_its_rows_it_is_told_to() -> None:
             plan("cachecraft", variants, lay, ReuseConfig(probe_skip_share=bad))
 
 
+def test_a_trimmed_probe_runs_the_last_question_rows_that_fit() -> None:
+    # As above: budget 2, a 2-row question; at probe_max_cost 0.5 one row fits (cost 1.0).
+    lay = layout("X", "A")
+    variants = {"A": [variant("A", ("Y",))]}
+    for share, total in ((1.0, 2 + 1), (0.0, 2)):
+        config = ReuseConfig(probe_trim=True, probe_skip_share=share)
+        p = plan("cachecraft", variants, lay, config)
+        assert p.probe is not None and p.deviation is None
+        assert p.probe.question_rows == 1 and p.num_probe_rows == 1 and p.probe_cost == 1.0
+        assert p.probe.total == total  # the budget, plus the share of the row left out
+    whole = plan("cachecraft", variants, lay, ReuseConfig(probe_trim=True, probe_max_cost=1.0))
+    assert whole.probe is not None and whole.probe.question_rows is None  # it fits: untrimmed
+    assert whole.num_probe_rows == 2
+    # Not one row fits (no cost at all; or the 3 uncached prefix rows alone cost more): the
+    # check instead, as without trimming.
+    none = plan("cachecraft", variants, lay, ReuseConfig(probe_trim=True, probe_max_cost=0.0))
+    assert none.probe is None and none.deviation is not None
+    trim = ReuseConfig(probe_trim=True)
+    miss = plan_request(lay, variants, "cachecraft", trim, 30, None, False)
+    assert miss.probe is None and miss.deviation is not None and miss.deviation.total == 4
+
+
 def test_a_zero_budget_runs_no_probe() -> None:
     # A cached after (X) reused after (X): beta 1, CFO 0: nothing to recompute, nothing to probe.
     lay = layout("X", "A")

@@ -144,9 +144,9 @@ def test_cachecraft_spends_the_summed_cfo_budget_where_the_question_looks(tiny_d
 def test_a_probe_dearer_than_its_budget_is_replaced_by_a_check_of_every_token(
     tiny_dir: Path,
 ) -> None:
-    def run(max_cost: float | None):
+    def run(max_cost: float | None, **kw):
         store = MemoryStore(2 << 30, storage_dtype="float32")
-        llm = LLM(str(tiny_dir), store=store, focus_threshold=0.0, probe_max_cost=max_cost)
+        llm = LLM(str(tiny_dir), store=store, focus_threshold=0.0, probe_max_cost=max_cost, **kw)
         _run(llm, _req([0, 1, 2]), "cachecraft")
         return _run(llm, _req([2, 1, 0]), "cachecraft").report
 
@@ -165,6 +165,14 @@ def test_a_probe_dearer_than_its_budget_is_replaced_by_a_check_of_every_token(
     assert spent == min(budget + question, reused) < reused
     # the same computed tokens as the probe's plan, without a second pass over the question
     assert rep.tokens_computed == probed.tokens_computed + question
+    # Trimmed instead: the question's last budget / 2 rows probe; the tokens left out of
+    # the probe are spent (probe_skip_share 1) or saved (0).
+    rows = budget // 2
+    for share, spend in ((1.0, budget + question - rows), (0.0, budget)):
+        rep = run(0.5, probe_trim=True, probe_skip_share=share)
+        assert rep.probe_tokens == rows and rep.probe_cost == rows
+        assert all(c.reason == "cfo+global+check" for c in rep.chunks)
+        assert sum(c.tokens_recomputed for c in rep.chunks) == min(spend, reused)
 
 
 def test_a_shallow_probe_costs_its_rows_times_the_layers_it_ran(tiny_dir: Path) -> None:
@@ -407,6 +415,40 @@ def test_a_probe_weighs_the_last_row_as_it_is_told_to(probing_llm: LLM) -> None:
     assert torch.allclose(got[0.0], every, atol=1e-5)
     assert torch.allclose(got[1.0], last, atol=1e-5)
     assert torch.allclose(got[0.5], (every + last) / 2, atol=1e-5)
+
+
+@pytest.mark.parametrize("order", [[2, 1, 0], [3, 1, 0]])  # in place; a scratch cache
+def test_a_trimmed_probe_measures_as_a_question_of_its_last_rows(
+    probing_llm: LLM, order: list[int]
+) -> None:
+    from dataclasses import replace
+
+    from cachecraft.engine.probe import probe_attention
+
+    llm = probing_llm
+    _run(llm, _req([0, 1, 2]), "naive")
+    plan, kv = _spliced(llm, _req(order))
+    assert plan.probe is not None
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    question = plan.layout.question_ids
+    assert len(question) > 3
+    trimmed = replace(plan, probe=replace(plan.probe, question_rows=3))
+    assert trimmed.num_probe_rows == 3 and plan.num_probe_rows == len(question)
+    got = probe_attention(llm.loaded.model, kv, trimmed)
+    qs = plan.layout.question_start
+    assert torch.equal(kv.k[:, :, :qs], k0[:, :, :qs])  # reused K/V untouched
+    kv.k, kv.v = k0.clone(), v0.clone()
+    short = replace(plan, layout=replace(plan.layout, question_ids=question[-3:]))
+    want = probe_attention(llm.loaded.model, kv, short)
+    kv.k, kv.v = k0.clone(), v0.clone()
+    whole = probe_attention(llm.loaded.model, kv, plan)
+    for g, w, a in zip(got, want, whole, strict=True):
+        assert (g is None) == (w is None) == (a is None)
+        if g is not None:
+            assert torch.allclose(torch.tensor(g), torch.tensor(w), atol=1e-6)
+    flat = [torch.tensor(g) for g in got if g is not None]
+    full = [torch.tensor(a) for a in whole if a is not None]
+    assert not torch.allclose(torch.cat(flat), torch.cat(full), atol=1e-4)  # it did trim
 
 
 def test_probe_leaves_out_chunks_without_kv(probing_llm: LLM) -> None:

@@ -79,6 +79,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-always-probe": {"probe_max_cost": None},
     "cachecraft-probe-at-budget": {"probe_max_cost": 1.0},
     "cachecraft-skip-at-budget": {"probe_skip_share": 0.0},
+    "cachecraft-trim": {"probe_trim": True},
+    "cachecraft-trim-save": {"probe_trim": True, "probe_skip_share": 0.0},
     "cachecraft-refresh": {"refresh_error": 0.75},
     "cachecraft-no-inherit": {"inherit_error": False},
     "cachecraft-beta-paper": {"beta_rule": "paper"},

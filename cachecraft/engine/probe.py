@@ -5,6 +5,8 @@ The probe runs the question rows (and the system prefix when the prefix cache do
 it) through layers 0..probe.last_layer over the context the question can already see: the
 prefix and the reused chunks. Chunks computed in this request hold no K/V yet, so they are
 left out and the positions after them move up (keys re-rotated to their probe positions).
+A trimmed probe (ProbeCheck.question_rows) runs only the question's last rows, moved up in
+the same way to follow the context.
 
 Where it runs: when no computed chunk lies before a reused one, every context key already
 sits at its probe position in the request's own KVCache, and the probe's rows go to
@@ -29,7 +31,7 @@ import torch
 from cachecraft.model.kv import KVCache
 from cachecraft.model.llama import LlamaModel
 from cachecraft.model.step import KeyMeter, SeqResult, SeqWork
-from cachecraft.reuse.plan import RecomputePlan
+from cachecraft.reuse.plan import RecomputePlan, probe_rows
 
 
 @dataclass(slots=True)
@@ -66,11 +68,12 @@ def probe_work(model: LlamaModel, kv: KVCache, plan: RecomputePlan) -> Probe:
         where.append((m, m + cp.slot.num_tokens))
         spans.append((cp.slot.start, cp.slot.end))
         m += cp.slot.num_tokens
-    q = len(layout.question_ids)
+    question = layout.question_ids
+    q = probe_rows(layout, True, probe.question_rows)  # a trimmed probe: the last q rows
     in_place = spans[-1][1] == m  # no computed chunk before a reused one: nothing moves
     context = kv if in_place else _scratch(model, kv, spans, q, probe.last_layer)
     rows = list(range(m, m + q))
-    ids = list(layout.question_ids)
+    ids = list(question[len(question) - q :])
     if not plan.prefix_hit:  # the prefix has no K/V yet: compute it in the probe as well
         rows = list(range(p)) + rows
         ids = list(layout.prefix_ids) + ids

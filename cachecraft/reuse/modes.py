@@ -250,9 +250,16 @@ def plan_cachecraft_paper(inp: PlanInput) -> RecomputePlan:
 
 
 def _probe(
-    inp: PlanInput, total: int, split: str, focus: float, check: float, sink: int
+    inp: PlanInput,
+    total: int,
+    split: str,
+    focus: float,
+    check: float,
+    sink: int,
+    question_rows: int | None = None,
 ) -> ProbeCheck:
-    """The probe of a plan; `sink`: each probed chunk's first tokens lifted in the ranking."""
+    """The probe of a plan; `sink`: each probed chunk's first tokens lifted in the ranking;
+    `question_rows`: a trimmed probe's rows (None: the whole question)."""
     c = inp.config
     last = probe_last_layer(c, inp.num_layers)
     first = min(max(c.probe_first_layer, 0), last)
@@ -271,6 +278,7 @@ def _probe(
         sink,
         c.probe_check_power,
         last_row=c.probe_last_row,
+        question_rows=question_rows,
     )
 
 
@@ -281,7 +289,8 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
     request's budget; a probe of the question ranks the tokens and, with probe_check, the
     top-ranked run to a check layer where question attention x K/V deviation picks the ones
     that go on (selectors.select_by_question). A probe costing more than probe_max_cost x the
-    budget is replaced by a check of every reused token at budget + probe cost."""
+    budget is trimmed to the question's last rows that fit (probe_trim) or replaced by a
+    check of every reused token at budget + probe cost."""
     config = inp.config
     chunks: list[ChunkPlan] = []
     errors: dict[str, float] | None = {} if config.inherit_error else None
@@ -304,12 +313,28 @@ def plan_cachecraft(inp: PlanInput) -> RecomputePlan:
     if not total:  # nothing to recompute: no probe to steer it
         return _plan(inp, "cachecraft", [_planned(c) for c in chunks])
     cost = probe_cost(inp.layout, inp.prefix_hit, config, inp.num_layers)
+    rows = None  # the question rows the probe runs (None: all of them)
     if config.probe_max_cost is not None and cost > config.probe_max_cost * total:
-        extra = math.ceil(config.probe_skip_share * cost - 1e-9)
-        return _check_instead_of_probe(inp, chunks, total + extra)
+        rows = _rows_that_fit(inp, config.probe_max_cost * total) if config.probe_trim else 0
+        if rows < 1:
+            extra = math.ceil(config.probe_skip_share * cost - 1e-9)
+            return _check_instead_of_probe(inp, chunks, total + extra)
+        left_out = cost - probe_cost(inp.layout, inp.prefix_hit, config, inp.num_layers, rows)
+        reused = sum(c.slot.num_tokens for c in chunks if c.select == "probe")
+        total = min(total + math.ceil(config.probe_skip_share * left_out - 1e-9), reused)
     focus = config.focus_threshold if config.early_termination else 0.0
-    probe = _probe(inp, total, config.probe_split, focus, config.probe_check, config.probe_sink)
+    probe = _probe(
+        inp, total, config.probe_split, focus, config.probe_check, config.probe_sink, rows
+    )
     return _plan(inp, "cachecraft", chunks, probe=probe)
+
+
+def _rows_that_fit(inp: PlanInput, cost: float) -> int:
+    """The most question rows a trimmed probe can run within `cost` (full-depth rows; the
+    uncached prefix, which the probe must run as well, comes first)."""
+    share = (probe_last_layer(inp.config, inp.num_layers) + 1) / inp.num_layers
+    prefix = 0 if inp.prefix_hit else inp.layout.prefix_len
+    return max(min(math.floor(cost / share + 1e-9) - prefix, len(inp.layout.question_ids)), 0)
 
 
 def _pooled_total(inp: PlanInput, chunks: Sequence[ChunkPlan]) -> int:
@@ -363,11 +388,16 @@ def _check_layer(config: ReuseConfig, num_layers: int) -> int:
 
 
 def probe_cost(
-    layout: PromptLayout, prefix_hit: bool, config: ReuseConfig, num_layers: int
+    layout: PromptLayout,
+    prefix_hit: bool,
+    config: ReuseConfig,
+    num_layers: int,
+    question_rows: int | None = None,
 ) -> float:
-    """What a probe of `layout` costs under `config`, in full-depth rows (as
-    RecomputePlan.probe_cost), whether or not a plan runs one."""
-    return probe_rows(layout, prefix_hit) * (probe_last_layer(config, num_layers) + 1) / num_layers
+    """What a probe of `layout` (trimmed to the question's last `question_rows`) costs under
+    `config`, in full-depth rows (as RecomputePlan.probe_cost), whether or not a plan runs one."""
+    rows = probe_rows(layout, prefix_hit, question_rows)
+    return rows * (probe_last_layer(config, num_layers) + 1) / num_layers
 
 
 def probe_last_layer(config: ReuseConfig, num_layers: int) -> int:

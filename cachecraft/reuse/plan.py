@@ -78,9 +78,13 @@ class PromptLayout:
         return tuple(ids)
 
 
-def probe_rows(layout: PromptLayout, prefix_hit: bool) -> int:
-    """Rows a probe of `layout` runs: the question, and the prefix when it is not cached."""
-    return len(layout.question_ids) + (0 if prefix_hit else layout.prefix_len)
+def probe_rows(layout: PromptLayout, prefix_hit: bool, question_rows: int | None = None) -> int:
+    """Rows a probe of `layout` runs: the question's last `question_rows` (None: all of it),
+    and the prefix when it is not cached."""
+    q = len(layout.question_ids)
+    return (q if question_rows is None else min(question_rows, q)) + (
+        0 if prefix_hit else layout.prefix_len
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +205,9 @@ class ProbeCheck:
     """'product': the question attention enters the check's rank as attention ** this."""
     last_row: float = 0.0
     """The share of the measure from the question's last row (the rest: every row's mean)."""
+    question_rows: int | None = None
+    """The probe runs only the question's last `question_rows` rows (None: all of them),
+    moved up to follow the context: a trimmed probe, fitted to probe_max_cost."""
 
     @property
     def layer_share(self) -> float:
@@ -247,9 +254,11 @@ class RecomputePlan:
 
     @property
     def num_probe_rows(self) -> int:
-        """Rows of the probe pass: the question, and the prefix when it is not cached; 0
-        without a probe."""
-        return 0 if self.probe is None else probe_rows(self.layout, self.prefix_hit)
+        """Rows of the probe pass: the question (its last probe.question_rows when trimmed),
+        and the prefix when it is not cached; 0 without a probe."""
+        if self.probe is None:
+            return 0
+        return probe_rows(self.layout, self.prefix_hit, self.probe.question_rows)
 
     @property
     def probe_cost(self) -> float:
