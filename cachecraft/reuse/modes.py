@@ -265,18 +265,18 @@ def _probe(
     first = min(max(c.probe_first_layer, 0), last)
     check_layer = _check_layer(c, inp.num_layers)
     return ProbeCheck(
-        total,
-        split,  # type: ignore[arg-type]
-        first,
-        last,
-        focus,
-        c.probe_blend,
-        check,
-        check_layer,
-        c.probe_check_score,
-        inp.num_layers,
-        sink,
-        c.probe_check_power,
+        total=total,
+        split=split,  # type: ignore[arg-type]
+        first_layer=first,
+        last_layer=last,
+        focus_threshold=focus,
+        blend=c.probe_blend,
+        check=check,
+        check_layer=check_layer,
+        check_score=c.probe_check_score,
+        num_layers=inp.num_layers,
+        sink=sink,
+        check_power=c.probe_check_power,
         last_row=c.probe_last_row,
         question_rows=question_rows,
     )
