@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -310,6 +311,37 @@ def test_cli_json_out_and_errors(tiny_dir: Path, tmp_path: Path, capsys) -> None
     assert len(err) == 4 and all(line.startswith("error: ") for line in err)
     assert "bogus" in err[0] and "nope.jsonl" in err[1]
     assert "MIN,MAX" in err[2] and "synthetic only" in err[3]
+
+
+def test_arm_flag_adds_an_arm_with_its_own_reuse_options(
+    tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    from cachecraft.bench.quality_cli import parse_arm
+
+    base = ReuseConfig(alpha=0.3)
+    name, cfg = parse_arm("cachecraft-x:probe_max_cost=none, probe_trim=true,alpha=0.7", base)
+    assert name == "cachecraft-x"
+    assert cfg == replace(base, probe_max_cost=None, probe_trim=True, alpha=0.7)
+    _, cfg = parse_arm("cachecraft-y:probe_split=need,et_layer=3", base)
+    assert (cfg.probe_split, cfg.et_layer) == ("need", 3)
+    for bad in ("cachecraft-x", "cachecraft-x:", "cachecraft-x:bogus=1", "cachecraft-x:alpha",
+                "cachecraft-x:alpha=high", "cachecraft-x:probe_split=both",
+                "cachecraft-x:probe_trim=maybe", "cachecraft-x:seed=3",
+                "cachecraft-x:probe_skip_share=2"):  # fmt: skip
+        with pytest.raises(BadRequestError, match="--arm"):
+            parse_arm(bad, base)
+
+    wl = write_workload_file(_items(3), tmp_path / "wl.jsonl")
+    common = ["--workload-file", str(wl), "--model", str(tiny_dir), "--store-mib", "64"]
+    common += ["--warmup", "1", "--max-tokens", "2", "--no-progress", "--json"]
+    arm = "cachecraft-all:alpha=1.0,min_fix=1.0"  # recomputes every reused token
+    rc = _cli(["bench", "quality", *common, "--modes", "full,naive", "--arm", arm])
+    assert rc == 0
+    modes = json.loads(capsys.readouterr().out)["modes"]
+    assert set(modes) == {"full", "naive", "cachecraft-all"}
+    assert modes["cachecraft-all"]["tf_kl_vs_full"] < 1e-6 < modes["naive"]["tf_kl_vs_full"]
+    assert _cli(["bench", "quality", *common, "--arm", "bogus-x:alpha=1"]) == 2
+    assert "bogus" in capsys.readouterr().err
 
 
 def test_chunk_tokens_flag_sets_synthetic_chunk_lengths() -> None:

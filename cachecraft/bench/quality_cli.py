@@ -19,6 +19,7 @@ from cachecraft.bench.item import WorkloadItem
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.config_file import load_reuse_overrides
 from cachecraft.errors import BadRequestError, CachecraftError
+from cachecraft.reuse.planner import check_config
 from cachecraft.store.config import StoreConfig
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,47 @@ def reuse_config_from_args(args: argparse.Namespace) -> ReuseConfig:
     if getattr(args, "seed", None) is not None:
         fields["seed"] = args.seed
     return ReuseConfig(**fields)
+
+
+def parse_arm(text: str, base: ReuseConfig) -> tuple[str, ReuseConfig]:
+    """`--arm NAME:FIELD=VALUE,...` -> (NAME, `base` with those ReuseConfig fields changed).
+    Values: numbers, true/false, none, or a choice's name; a bad one is a BadRequestError."""
+    name, sep, spec = text.partition(":")
+    name = name.strip()
+    if not name or not sep or not spec.strip():
+        raise BadRequestError(f"--arm {text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE...]")
+    hints = typing.get_type_hints(ReuseConfig)
+    fields: dict[str, Any] = {}
+    for pair in spec.split(","):
+        key, eq, raw = (x.strip() for x in pair.partition("="))
+        if key not in hints or key in _SKIP_FIELDS or not eq:
+            raise BadRequestError(
+                f"--arm {name}: {pair.strip()!r} is not FIELD=VALUE of a reuse option"
+            )
+        fields[key] = _value(name, key, raw, hints[key])
+    try:
+        config = dataclasses.replace(base, **fields)
+        check_config(config)
+    except ValueError as e:
+        raise BadRequestError(f"--arm {name}: {e}") from None
+    return name, config
+
+
+def _value(arm: str, key: str, raw: str, hint: Any) -> Any:
+    """`raw` as a value of the ReuseConfig field `key` (type `hint`)."""
+    options = typing.get_args(hint)
+    if raw.lower() == "none" and type(None) in options:
+        return None
+    if hint is bool and raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    if typing.get_origin(hint) is typing.Literal and raw in options:
+        return raw
+    if hint is not bool and typing.get_origin(hint) is not typing.Literal:
+        try:
+            return int(raw) if int in (hint, *options) else float(raw)
+        except ValueError:
+            pass
+    raise BadRequestError(f"--arm {arm}: {key}={raw!r} is not a valid value ({hint})")
 
 
 def _add_common_flags(parser: argparse.ArgumentParser, seed: int) -> None:
@@ -104,6 +146,14 @@ def add_bench_quality_parser(subparsers: argparse._SubParsersAction) -> argparse
     )  # fmt: skip
     p.add_argument("--sweep", action="store_true", help="sweep each mode's recompute budget")
     p.add_argument("--ablations", action="store_true", help="add the cachecraft ablations")
+    p.add_argument(
+        "--arm",
+        action="append",
+        default=[],
+        metavar="NAME:FIELD=VALUE,...",
+        help="an extra arm: NAME (a mode, or MODE-anything) run with the reuse options given "
+        "changed, e.g. cachecraft-pmc1:probe_max_cost=1.0 (repeatable)",
+    )
     p.add_argument(
         "--shared-warmup",
         action="store_true",
@@ -217,14 +267,16 @@ def _bench_quality(args: argparse.Namespace) -> int:
     from cachecraft.bench.quality_summary import flat_summary
     from cachecraft.bench.report import write_report
 
-    modes = _split(args.modes, str)
+    base = reuse_config_from_args(args)
+    configs = dict(parse_arm(text, base) for text in args.arm)
+    modes = list(dict.fromkeys([*_split(args.modes, str), *configs]))
     for m in modes:
         mode_of(m)  # unknown modes fail before the model loads
-    base = reuse_config_from_args(args)
     name, items = load_items(args)
     results = run_quality(
         _load_model(args), items, modes, warmup=args.warmup, match_budget=args.match_budget,
-        max_tokens=args.max_tokens, base=base, ablations=args.ablations, sweep=args.sweep,
+        max_tokens=args.max_tokens, base=base, configs=configs, ablations=args.ablations,
+        sweep=args.sweep,
         progress=not args.no_progress, workload=name, shared_warmup=args.shared_warmup,
         store_config=_int8_store(args.int8_store), store_bytes=args.store_mib << 20,
     )  # fmt: skip
