@@ -108,10 +108,11 @@ class ReuseConfig:
     the check that replaces it: 1.0, as many computed tokens as with the probe; 0.0, the CFO
     budget alone (the probe's rows saved; ablation `cachecraft-skip-at-budget`). With
     probe_trim, the share of the rows the trimmed probe leaves out."""
-    probe_trim: bool = False
+    probe_trim: bool = True
     """cachecraft: a probe over its probe_max_cost is trimmed instead of skipped: only the
     question's last rows that fit the cost run (the last one weighs probe_last_row), and the
-    tokens are still chosen by question attention; skipped only when not one row fits."""
+    tokens are still chosen by question attention; skipped only when not one row fits.
+    False (ablation `cachecraft-no-trim`): skipped, as until the thirty-third session."""
     probe_check_score: Literal["product", "deviation"] = "product"
     """At the check: 'product' ranks by question attention (to probe_check_power) x K/V
     deviation (the first-order change a token's stale K/V make to the question's attention
