@@ -159,6 +159,7 @@ def test_corrupt_chunk_in_a_batched_step_fails_nobody(tiny: LoadedModel, tmp_pat
     try:
         rag = RagRequest("Which planet has rings?", [Chunk(d) for d in DOCS])
         assert isinstance(run(engine.submit(rag, GREEDY)), Finished)  # stores both chunks
+        store.flush()  # disk writes end in the background, after the answer
         files = sorted(tmp_path.glob("*.safetensors"))
         assert len(files) == 2
         data = bytearray(files[0].read_bytes())

@@ -367,11 +367,12 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
     # X in full; A after (Y) reused after (X): beta 0, CFO 0.5 x 0.8 -> ceil(0.4 x 4) = 2.
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}
+    skip = ReuseConfig(probe_trim=False)  # skipped, not trimmed (see the next tests)
     probed = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=None))
     assert probed.probe is not None and probed.probe.total == 2 and probed.probe_cost == 2.0
     kept = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=1.0))
     assert kept.probe == probed.probe  # the probe costs its budget: it still runs
-    p = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=0.5))
+    p = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=0.5, probe_trim=False))
     a = p.chunks[1]
     assert p.probe is None and p.probe_cost == 0.0
     assert (a.select, a.recompute, a.reason) == ("deviation", (0, 1, 2, 3), "cfo+check")
@@ -385,20 +386,20 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
         at_budget = ReuseConfig(probe_max_cost=1.0)
         shallow = plan_request(lay, variants, "cachecraft", at_budget, num_layers, None)
         assert shallow.probe is not None and shallow.probe.check_layer == want
-        cheap = ReuseConfig(probe_max_cost=0.5)
+        cheap = ReuseConfig(probe_max_cost=0.5, probe_trim=False)
         shallow = plan_request(lay, variants, "cachecraft", cheap, num_layers, None)
         assert shallow.deviation is not None and shallow.deviation.layer == want
     # Without the prefix cache the probe would also run the 3 prefix rows: 5 > 2 x 1.0.
-    miss = plan_request(lay, variants, "cachecraft", ReuseConfig(), 30, None, False)
+    miss = plan_request(lay, variants, "cachecraft", skip, 30, None, False)
     assert miss.probe is None and miss.deviation is not None
     assert miss.deviation.total == 4  # 2 + 5, at most A's 4 tokens
-    two = plan("cachecraft", {**variants, "B": [variant("B", ("Y",))]}, layout("X", "A", "B"))
+    two = plan("cachecraft", {**variants, "B": [variant("B", ("Y",))]}, layout("X", "A", "B"), skip)
     assert two.probe is not None  # 2 question rows steer 2 + 2 tokens
     two = plan(
         "cachecraft",
         {**variants, "B": [variant("B", ("Y",))]},
         layout("X", "A", "B"),
-        ReuseConfig(probe_max_cost=0.0),
+        ReuseConfig(probe_max_cost=0.0, probe_trim=False),
     )
     assert two.deviation is not None and two.deviation.total == 2 + 2 + 2
     assert [c.budget for c in two.chunks[1:]] == [3, 3]  # 6 spread over A (4) and B (5)
@@ -411,7 +412,7 @@ def test_a_skipped_probe_gives_the_share_of_its_rows_it_is_told_to() -> None:
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}
     for share, total in ((1.0, 2 + 2), (0.5, 2 + 1), (0.0, 2)):
-        p = plan("cachecraft", variants, lay, ReuseConfig(probe_skip_share=share))
+        p = plan("cachecraft", variants, lay, ReuseConfig(probe_skip_share=share, probe_trim=False))
         assert p.probe is None and p.deviation is not None
         assert p.deviation.total == total == p.chunks[1].budget
     for bad in (-0.1, 1.5):

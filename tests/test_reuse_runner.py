@@ -157,7 +157,7 @@ def test_a_probe_dearer_than_its_budget_is_replaced_by_a_check_of_every_token(
     )
     assert probed.probe_tokens == question > 0
     assert 0 < budget / 2 < question  # the probe costs more than half the recompute it steers
-    rep = run(0.5)
+    rep = run(0.5, probe_trim=False)
     assert rep.probe_tokens == 0 and rep.probe_cost == 0.0
     assert all(c.reason == "cfo+check" for c in rep.chunks)
     reused = sum(c.num_tokens for c in rep.chunks)
@@ -169,7 +169,7 @@ def test_a_probe_dearer_than_its_budget_is_replaced_by_a_check_of_every_token(
     # the probe are spent (probe_skip_share 1) or saved (0).
     rows = budget // 2
     for share, spend in ((1.0, budget + question - rows), (0.0, budget)):
-        rep = run(0.5, probe_trim=True, probe_skip_share=share)
+        rep = run(0.5, probe_skip_share=share)  # probe_trim: the default
         assert rep.probe_tokens == rows and rep.probe_cost == rows
         assert all(c.reason == "cfo+global+check" for c in rep.chunks)
         assert sum(c.tokens_recomputed for c in rep.chunks) == min(spend, reused)
