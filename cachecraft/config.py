@@ -95,19 +95,20 @@ class ReuseConfig:
     `cachecraft-every-row`) on both KLs on wiki-qa, chat history, short and permuted chunks;
     1.0 (the last row alone, `cachecraft-last-row`) lost TF-KL on short chunks."""
     probe_max_cost: float | None = 0.5
-    """cachecraft: the probe runs only while its cost (rows x layers run / L) is at most this
-    many times the recompute budget it steers. Above that (a long question over few reused
-    tokens) it is skipped and its rows go to the budget instead: CFO budget + probe cost
-    tokens (at most every reused token): each reused chunk's first probe_sink tokens, then
-    the ones CacheBlend's K/V deviation check at probe_check_layer ranks highest across the
-    chunks. Same computed tokens, no second pass over the question. 1.0 until the
-    twenty-ninth session (ablation `cachecraft-probe-at-budget`); None: always probe
-    (ablation `cachecraft-always-probe`)."""
+    """cachecraft: the probe costs (rows x layers run / L) at most this many times the
+    recompute budget it steers. Above that (a long question over few reused tokens) it is
+    trimmed to the question's last rows that fit (probe_trim), the rows left out going to
+    the budget; without probe_trim (or when not one row fits) it is skipped and its rows go
+    to the budget instead: CFO budget + probe cost tokens (at most every reused token): each
+    reused chunk's first probe_sink tokens, then the ones CacheBlend's K/V deviation check
+    at probe_check_layer ranks highest across the chunks. Same computed tokens either way.
+    1.0 until the twenty-ninth session (ablation `cachecraft-probe-at-budget`); None: always
+    the whole probe (ablation `cachecraft-always-probe`)."""
     probe_skip_share: float = 1.0
-    """cachecraft: the share of a skipped probe's cost (probe_max_cost) added to the budget of
-    the check that replaces it: 1.0, as many computed tokens as with the probe; 0.0, the CFO
-    budget alone (the probe's rows saved; ablation `cachecraft-skip-at-budget`). With
-    probe_trim, the share of the rows the trimmed probe leaves out."""
+    """cachecraft: the share of the probe's cost that probe_max_cost cut (the rows a trimmed
+    probe leaves out, or a skipped probe's whole cost) added to the budget: 1.0, as many
+    computed tokens as with the whole probe; 0.0, the CFO budget alone (the rows saved;
+    ablations `cachecraft-trim-save`, `cachecraft-skip-at-budget`)."""
     probe_trim: bool = True
     """cachecraft: a probe over its probe_max_cost is trimmed instead of skipped: only the
     question's last rows that fit the cost run (the last one weighs probe_last_row), and the
