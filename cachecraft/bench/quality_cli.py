@@ -276,8 +276,8 @@ def _bench_quality(args: argparse.Namespace) -> int:
     results = run_quality(
         _load_model(args), items, modes, warmup=args.warmup, match_budget=args.match_budget,
         max_tokens=args.max_tokens, base=base, configs=configs, ablations=args.ablations,
-        sweep=args.sweep,
-        progress=not args.no_progress, workload=name, shared_warmup=args.shared_warmup,
+        sweep=args.sweep, progress=not args.no_progress, workload=name,
+        shared_warmup=args.shared_warmup,
         store_config=_int8_store(args.int8_store), store_bytes=args.store_mib << 20,
     )  # fmt: skip
     if args.out:

@@ -31,7 +31,7 @@ import torch
 from cachecraft.model.kv import KVCache
 from cachecraft.model.llama import LlamaModel
 from cachecraft.model.step import KeyMeter, SeqResult, SeqWork
-from cachecraft.reuse.plan import RecomputePlan, probe_rows
+from cachecraft.reuse.plan import RecomputePlan
 
 
 @dataclass(slots=True)
@@ -69,11 +69,11 @@ def probe_work(model: LlamaModel, kv: KVCache, plan: RecomputePlan) -> Probe:
         spans.append((cp.slot.start, cp.slot.end))
         m += cp.slot.num_tokens
     question = layout.question_ids
-    q = probe_rows(layout, True, probe.question_rows)  # a trimmed probe: the last q rows
+    q = len(question) if probe.question_rows is None else min(probe.question_rows, len(question))
     in_place = spans[-1][1] == m  # no computed chunk before a reused one: nothing moves
     context = kv if in_place else _scratch(model, kv, spans, q, probe.last_layer)
     rows = list(range(m, m + q))
-    ids = list(question[len(question) - q :])
+    ids = list(question[len(question) - q :])  # a trimmed probe: the question's last rows
     if not plan.prefix_hit:  # the prefix has no K/V yet: compute it in the probe as well
         rows = list(range(p)) + rows
         ids = list(layout.prefix_ids) + ids
