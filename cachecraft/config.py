@@ -1,6 +1,7 @@
-"""ReuseConfig (the planner's knobs) and the modes. The other settings live with their owner:
-StoreConfig (store/config.py), EngineConfig (engine/engine.py), ServerConfig (server/config.py);
-the model is chosen by path (`load_model`). Environment variables: env.py.
+"""ReuseConfig (the planner's knobs), check_config (its ranges) and the modes. The other
+settings live with their owner: StoreConfig (store/config.py), EngineConfig (engine/engine.py),
+ServerConfig (server/config.py); the model is chosen by path (`load_model`). Environment
+variables: env.py.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class ReuseConfig:
     def __post_init__(self) -> None:
         """Types and ranges, so a bad config file or keyword is one clear ValueError at
         start-up instead of every request failing (the choices of the Literal fields and the
-        remaining ranges: `reuse.planner.check_config`)."""
+        remaining ranges: `check_config`)."""
         for f in fields(self):
             value, kind = getattr(self, f.name), str(f.type)
             if value is None and "None" in kind:
@@ -181,3 +182,31 @@ class ReuseConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_config(config: ReuseConfig) -> None:
+    """Raise ValueError for reuse settings no mode can honour (a clear message, not a bad plan)."""
+    if config.beta_rule not in ("honest", "paper"):
+        raise ValueError(f"beta_rule must be 'honest' or 'paper', got {config.beta_rule!r}")
+    if config.probe_split not in ("need", "global", "chunk"):
+        raise ValueError(f"probe_split must be need, global or chunk, got {config.probe_split!r}")
+    if not 0.0 <= config.prefix_mismatch_penalty <= 1.0:
+        raise ValueError("prefix_mismatch_penalty must be in [0, 1]")
+    if not 0.0 <= config.prophet_ratio <= 1.0:
+        raise ValueError("prophet_ratio must be in [0, 1]")
+    if config.refresh_error is not None and config.refresh_error < 0.0:
+        raise ValueError("refresh_error must be >= 0 (or None: never refresh)")
+    if config.probe_blend < 0.0:
+        raise ValueError("probe_blend must be >= 0")
+    if config.probe_max_cost is not None and config.probe_max_cost < 0.0:
+        raise ValueError("probe_max_cost must be >= 0 (or None: always probe)")
+    if not 0.0 <= config.probe_skip_share <= 1.0:
+        raise ValueError("probe_skip_share must be in [0, 1]")
+    if config.probe_check < 0.0:
+        raise ValueError("probe_check must be >= 0 (0: no check layer)")
+    if config.probe_check_power < 0.0:
+        raise ValueError("probe_check_power must be >= 0")
+    if config.probe_check_score not in ("product", "deviation"):
+        raise ValueError(
+            f"probe_check_score must be product or deviation, got {config.probe_check_score!r}"
+        )

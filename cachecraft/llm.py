@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cachecraft.config import ReuseConfig
+from cachecraft.config import ReuseConfig, check_config
 from cachecraft.engine.engine import Engine, EngineConfig, RequestOptions
 from cachecraft.engine.offline import Submission, run_requests
 from cachecraft.engine.report import RequestReport
@@ -24,7 +24,6 @@ from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.reuse.plan import RecomputePlan
-from cachecraft.reuse.planner import check_config
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore

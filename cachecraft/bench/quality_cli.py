@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from cachecraft.bench.item import WorkloadItem
-from cachecraft.config import MODES, ReuseConfig
+from cachecraft.config import MODES, ReuseConfig, check_config
 from cachecraft.config_file import load_reuse_overrides
 from cachecraft.errors import BadRequestError, CachecraftError
-from cachecraft.reuse.planner import check_config
 from cachecraft.store.config import StoreConfig
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from cachecraft.config import MODES, ReuseConfig
+from cachecraft.config import MODES, ReuseConfig, check_config
 from cachecraft.reuse.modes import MODE_PLANNERS, PlanInput, fix_count, mark_exact, miss
 from cachecraft.reuse.plan import PromptLayout, RecomputePlan
 from cachecraft.reuse.selectors import select_by_question, spread_by_size
@@ -21,7 +21,6 @@ from cachecraft.store.meta import VariantMeta
 __all__ = [
     "VariantScore",
     "as_miss",
-    "check_config",
     "choose_variant",
     "fix_count",
     "matched_budgets",
@@ -60,34 +59,6 @@ def plan_request(
     check_config(config)
     inp = PlanInput(layout, variants, config, num_layers, budgets, prefix_hit, repeat)
     return MODE_PLANNERS[mode](inp)
-
-
-def check_config(config: ReuseConfig) -> None:
-    """Raise ValueError for reuse settings no mode can honour (a clear message, not a bad plan)."""
-    if config.beta_rule not in ("honest", "paper"):
-        raise ValueError(f"beta_rule must be 'honest' or 'paper', got {config.beta_rule!r}")
-    if config.probe_split not in ("need", "global", "chunk"):
-        raise ValueError(f"probe_split must be need, global or chunk, got {config.probe_split!r}")
-    if not 0.0 <= config.prefix_mismatch_penalty <= 1.0:
-        raise ValueError("prefix_mismatch_penalty must be in [0, 1]")
-    if not 0.0 <= config.prophet_ratio <= 1.0:
-        raise ValueError("prophet_ratio must be in [0, 1]")
-    if config.refresh_error is not None and config.refresh_error < 0.0:
-        raise ValueError("refresh_error must be >= 0 (or None: never refresh)")
-    if config.probe_blend < 0.0:
-        raise ValueError("probe_blend must be >= 0")
-    if config.probe_max_cost is not None and config.probe_max_cost < 0.0:
-        raise ValueError("probe_max_cost must be >= 0 (or None: always probe)")
-    if not 0.0 <= config.probe_skip_share <= 1.0:
-        raise ValueError("probe_skip_share must be in [0, 1]")
-    if config.probe_check < 0.0:
-        raise ValueError("probe_check must be >= 0 (0: no check layer)")
-    if config.probe_check_power < 0.0:
-        raise ValueError("probe_check_power must be >= 0")
-    if config.probe_check_score not in ("product", "deviation"):
-        raise ValueError(
-            f"probe_check_score must be product or deviation, got {config.probe_check_score!r}"
-        )
 
 
 def resolve_probe(
