@@ -330,6 +330,11 @@ def test_arm_flag_adds_an_arm_with_its_own_reuse_options(
                 "cachecraft-x:probe_skip_share=2"):  # fmt: skip
         with pytest.raises(BadRequestError, match="--arm"):
             parse_arm(bad, base)
+    for bad, says in (("probe_trim=maybe", "true or false"), ("alpha=high", "a number"),
+                      ("probe_split=both", "one of need, global, chunk"),
+                      ("et_layer=x", "an integer or none")):  # fmt: skip
+        with pytest.raises(BadRequestError, match=says):
+            parse_arm(f"cachecraft-x:{bad}", base)
 
     wl = write_workload_file(_items(3), tmp_path / "wl.jsonl")
     common = ["--workload-file", str(wl), "--model", str(tiny_dir), "--store-mib", "64"]

@@ -99,7 +99,18 @@ def _value(arm: str, key: str, raw: str, hint: Any) -> Any:
             return int(raw) if int in (hint, *options) else float(raw)
         except ValueError:
             pass
-    raise BadRequestError(f"--arm {arm}: {key}={raw!r} is not a valid value ({hint})")
+    raise BadRequestError(f"--arm {arm}: {key}={raw!r} is not {_expected(hint)}")
+
+
+def _expected(hint: Any) -> str:
+    """What a value of a field typed `hint` looks like, in words."""
+    if hint is bool:
+        return "true or false"
+    options = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(map(str, options))
+    kind = "an integer" if int in (hint, *options) else "a number"
+    return kind + (" or none" if type(None) in options else "")
 
 
 def _add_common_flags(parser: argparse.ArgumentParser, seed: int) -> None:
