@@ -1,7 +1,6 @@
-"""ReuseConfig (the planner's knobs), check_config (its ranges) and the modes. The other
-settings live with their owner: StoreConfig (store/config.py), EngineConfig (engine/engine.py),
-ServerConfig (server/config.py); the model is chosen by path (`load_model`). Environment
-variables: env.py.
+"""ReuseConfig (the planner's knobs, checked when made) and the modes. The other settings live
+with their owner: StoreConfig (store/config.py), EngineConfig (engine/engine.py), ServerConfig
+(server/config.py); the model is chosen by path (`load_model`). Environment variables: env.py.
 """
 
 from __future__ import annotations
@@ -142,9 +141,8 @@ class ReuseConfig:
     by 0.01-0.02 and budgets by <0.5% of a chunk's tokens (docs/algorithm.md §2)."""
 
     def __post_init__(self) -> None:
-        """Types and ranges, so a bad config file or keyword is one clear ValueError at
-        start-up instead of every request failing (the choices of the Literal fields and the
-        remaining ranges: `check_config`)."""
+        """Types, ranges and the Literal fields' choices, so a bad config file or keyword is one
+        clear ValueError at start-up (and every ReuseConfig a planner sees is a valid one)."""
         for f in fields(self):
             value, kind = getattr(self, f.name), str(f.type)
             if value is None and "None" in kind:
@@ -172,7 +170,10 @@ class ReuseConfig:
             raise ValueError(f"stats_stride must be >= 1, got {self.stats_stride}")
         if self.focus_threshold < 0:  # above 1: every chunk is unfocused (tests use it)
             raise ValueError(f"focus_threshold must be >= 0, got {self.focus_threshold}")
-        for name in ("novel_prefix_min_fix", "cacheblend_ratio", "probe_last_row"):
+        for name in (
+            "novel_prefix_min_fix", "cacheblend_ratio", "probe_last_row", "prefix_mismatch_penalty",
+            "prophet_ratio", "probe_skip_share",
+        ):  # fmt: skip
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in (
@@ -182,31 +183,21 @@ class ReuseConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-
-
-def check_config(config: ReuseConfig) -> None:
-    """Raise ValueError for reuse settings no mode can honour (a clear message, not a bad plan)."""
-    if config.beta_rule not in ("honest", "paper"):
-        raise ValueError(f"beta_rule must be 'honest' or 'paper', got {config.beta_rule!r}")
-    if config.probe_split not in ("need", "global", "chunk"):
-        raise ValueError(f"probe_split must be need, global or chunk, got {config.probe_split!r}")
-    if not 0.0 <= config.prefix_mismatch_penalty <= 1.0:
-        raise ValueError("prefix_mismatch_penalty must be in [0, 1]")
-    if not 0.0 <= config.prophet_ratio <= 1.0:
-        raise ValueError("prophet_ratio must be in [0, 1]")
-    if config.refresh_error is not None and config.refresh_error < 0.0:
-        raise ValueError("refresh_error must be >= 0 (or None: never refresh)")
-    if config.probe_blend < 0.0:
-        raise ValueError("probe_blend must be >= 0")
-    if config.probe_max_cost is not None and config.probe_max_cost < 0.0:
-        raise ValueError("probe_max_cost must be >= 0 (or None: always probe)")
-    if not 0.0 <= config.probe_skip_share <= 1.0:
-        raise ValueError("probe_skip_share must be in [0, 1]")
-    if config.probe_check < 0.0:
-        raise ValueError("probe_check must be >= 0 (0: no check layer)")
-    if config.probe_check_power < 0.0:
-        raise ValueError("probe_check_power must be >= 0")
-    if config.probe_check_score not in ("product", "deviation"):
-        raise ValueError(
-            f"probe_check_score must be product or deviation, got {config.probe_check_score!r}"
-        )
+        if self.beta_rule not in ("honest", "paper"):
+            raise ValueError(f"beta_rule must be 'honest' or 'paper', got {self.beta_rule!r}")
+        if self.probe_split not in ("need", "global", "chunk"):
+            raise ValueError(f"probe_split must be need, global or chunk, got {self.probe_split!r}")
+        if self.refresh_error is not None and self.refresh_error < 0.0:
+            raise ValueError("refresh_error must be >= 0 (or None: never refresh)")
+        if self.probe_blend < 0.0:
+            raise ValueError("probe_blend must be >= 0")
+        if self.probe_max_cost is not None and self.probe_max_cost < 0.0:
+            raise ValueError("probe_max_cost must be >= 0 (or None: always probe)")
+        if self.probe_check < 0.0:
+            raise ValueError("probe_check must be >= 0 (0: no check layer)")
+        if self.probe_check_power < 0.0:
+            raise ValueError("probe_check_power must be >= 0")
+        if self.probe_check_score not in ("product", "deviation"):
+            raise ValueError(
+                f"probe_check_score must be product or deviation, got {self.probe_check_score!r}"
+            )

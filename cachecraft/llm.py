@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cachecraft.config import ReuseConfig, check_config
+from cachecraft.config import ReuseConfig
 from cachecraft.engine.engine import Engine, EngineConfig, RequestOptions
 from cachecraft.engine.offline import Submission, run_requests
 from cachecraft.engine.report import RequestReport
@@ -92,7 +92,6 @@ def reuse_config(**fields: object) -> ReuseConfig:
         raise BadRequestError(f"unknown option(s) {unknown}; known: {sorted(known)}")
     try:
         config = ReuseConfig(**fields)  # type: ignore[arg-type]
-        check_config(config)
     except ValueError as e:
         raise BadRequestError(f"bad reuse setting: {e}") from None
     return config

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecraft.bench.item import WorkloadItem
-from cachecraft.config import MODES, ReuseConfig, check_config
+from cachecraft.config import MODES, ReuseConfig
 from cachecraft.config_file import load_reuse_overrides
 from cachecraft.errors import BadRequestError, CachecraftError
 from cachecraft.store.config import StoreConfig
@@ -78,8 +78,7 @@ def parse_arm(text: str, base: ReuseConfig) -> tuple[str, ReuseConfig]:
             )
         fields[key] = _value(name, key, raw, hints[key])
     try:
-        config = dataclasses.replace(base, **fields)
-        check_config(config)
+        config = dataclasses.replace(base, **fields)  # ReuseConfig checks itself
     except ValueError as e:
         raise BadRequestError(f"--arm {name}: {e}") from None
     return name, config

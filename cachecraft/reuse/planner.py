@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from cachecraft.config import MODES, ReuseConfig, check_config
+from cachecraft.config import MODES, ReuseConfig
 from cachecraft.reuse.modes import MODE_PLANNERS, PlanInput, fix_count, mark_exact, miss
 from cachecraft.reuse.plan import PromptLayout, RecomputePlan
 from cachecraft.reuse.selectors import select_by_question, spread_by_size
@@ -56,7 +56,6 @@ def plan_request(
         raise ValueError(f"budgets has {len(budgets)} entries for {len(layout.chunks)} chunks")
     if num_layers < 1:
         raise ValueError("num_layers must be >= 1")
-    check_config(config)
     inp = PlanInput(layout, variants, config, num_layers, budgets, prefix_hit, repeat)
     return MODE_PLANNERS[mode](inp)
 
