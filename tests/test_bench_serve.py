@@ -125,6 +125,43 @@ def test_systems_take_turns_rate_by_rate_then_burst_over_the_same_requests() -> 
     assert all("burst" not in r for r in out.values()) and math.inf not in [r for *_, r in seen]
 
 
+def test_refining_runs_bisect_between_the_common_rate_and_the_next() -> None:
+    """After the ramps, every system runs at the geometric midpoint between the highest rate
+    all sustained and the lowest one some system failed above it; each refining run takes its
+    own part of the stream after the burst's, and a sustained midpoint raises the lower end."""
+    runs = [[WorkloadItem(str(i), RagRequest(f"q{i}?", [Chunk("c")]))] for i in range(8)]
+    opts = {"max_runs": 4, "latency_bound": 3.0, "burst": True, "refine": 2}
+    seen: list[tuple[str, str, float]] = []
+
+    def system(name: str, capacity: float) -> serve_bench.RunAt:
+        def run_at(items: list[WorkloadItem], rate: float) -> dict:
+            seen.append((name, items[0].id, rate))
+            e2e = 100.0 if rate <= capacity else 1000.0
+            return _summary(e2e) | {"throughput_rps": min(rate, capacity), "offered_rps": rate}
+
+        return run_at
+
+    systems = {"a": system("a", 1.3), "b": system("b", 1.6), "c": system("c", 100.0)}
+    out = serve_bench._take_turns(systems, runs, [0.25, 0.5], opts)
+    refined = [(name, item, rate) for name, item, rate in seen if item in ("5", "6")]
+    # 1.0 sustained by all, 2.0 failed by a and b: 1.41 (a fails it), then 1.19 (all sustain)
+    assert refined == [(n, "5", 1.41) for n in "abc"] + [(n, "6", 1.19) for n in "abc"]
+    assert [(n, r) for n, item, r in seen if item == "4"] == [(n, math.inf) for n in "abc"]
+    assert set(out["a"]) == {"0.25", "0.5", "1", "2", "1.41", "1.19", "burst"}
+    per_rate = {k: {"a": v} for k, v in out["a"].items() if k != "burst"}
+    assert sustained_rate(per_rate, [float(k) for k in per_rate], "a") == 1.19
+    assert serve_bench.refine_rate(out, 3.0) == 1.3  # the next step would split 1.19..1.41
+    # nothing to refine: a system that sustained nothing, or nobody failing above the common rate
+    never = {"a": {"0.5": _summary(None, errors=1)}, "c": out["c"]}
+    assert serve_bench.refine_rate(never, 3.0) is None
+    assert (
+        serve_bench.refine_rate({"c": {"0.5": _summary(100.0), "1": _summary(100.0)}}, 3.0) is None
+    )
+    assert (
+        serve_bench.refine_rate({"a": {"1": _summary(100.0), "1.01": _summary(900.0)}}, 3.0) is None
+    )
+
+
 def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
     @contextmanager
     def fake_vllm() -> Iterator[SimpleNamespace]:

@@ -209,6 +209,9 @@ def _with_rate(summary: dict[str, Any]) -> dict[str, Any]:
 Runs = dict[str, dict[str, Any]]
 """One system's runs: {rate key: summary}, plus BURST when it ran one."""
 BURST = "burst"
+DEFAULT_REFINE = 1
+"""Runs after the ramp, on every system, at a rate between the highest one every system
+sustained and the next (`refine_rate`)."""
 
 
 RunAt = Callable[[list[WorkloadItem], float], dict[str, Any]]
@@ -222,8 +225,10 @@ def _take_turns(
     opts: dict[str, Any],
 ) -> dict[str, Runs]:
     """Every system's ramp over runs[0..max_runs-1] in order, rate by rate in turns (each
-    rate on every system still ramping, in `systems` order), then (opts["burst"]) every
-    system's burst over the stream part after all of them, the same for every system."""
+    rate on every system still ramping, in `systems` order); then up to opts["refine"] runs
+    on every system at `refine_rate` (each over the next part of the stream after the
+    burst's); then (opts["burst"]) every system's burst over runs[max_runs], the same for
+    every system."""
     ramps = {name: Ramp(rates, opts["max_runs"], opts["latency_bound"]) for name in systems}
     while True:
         turn = {name: ramp.next_rate() for name, ramp in ramps.items()}
@@ -234,10 +239,43 @@ def _take_turns(
                 items = runs[len(ramps[name].runs)]
                 ramps[name].record(rate, systems[name](items, rate))
     out = {name: ramp.runs for name, ramp in ramps.items()}
+    first = opts["max_runs"] + opts["burst"]  # the refining runs' parts of the stream
+    for i in range(opts.get("refine", 0)):
+        rate = refine_rate(out, opts["latency_bound"])
+        if rate is None:
+            break
+        for name, run_at in systems.items():
+            out[name][rate_key(rate)] = run_at(runs[first + i], rate)
     if opts["burst"]:
         for name, run_at in systems.items():
             out[name][BURST] = run_at(runs[opts["max_runs"]], math.inf)
     return out
+
+
+def refine_rate(per_system: Mapping[str, Runs], latency_bound: float) -> float | None:
+    """The next rate to try between the highest rate every system sustained (`low`) and the
+    lowest rate above it that some system ran and did not sustain (`high`): their geometric
+    midpoint, to three significant digits. None when there is no such pair (a system sustained
+    nothing, or nobody failed above `low`) or the two are too close to split. A doubling ramp
+    finds the common rate only to within 2x, and the latencies compared there are those of
+    the load every system still carries: one refining run halves that gap."""
+    lows, highs = [], []
+    for runs in per_system.values():
+        ran = {float(k): s for k, s in runs.items() if k != BURST}
+        if not ran:
+            return None
+        base = ran[min(ran)].get("e2e_ms_p50")
+        kept = [r for r, s in ran.items() if _sustains(s, base, latency_bound)]
+        if not kept:
+            return None
+        lows.append(max(kept))
+        highs.append([r for r, s in ran.items() if not _sustains(s, base, latency_bound)])
+    low = min(lows)
+    above = [r for failed in highs for r in failed if r > low]
+    if not above:
+        return None
+    rate = float(f"{math.sqrt(low * min(above)):.3g}")
+    return rate if low < rate < min(above) else None
 
 
 @contextlib.contextmanager
@@ -337,13 +375,15 @@ def run_serve_bench(
     burst: bool = True,
     dtype: str = "float32",
     client: str = "documents",
+    refine: int = DEFAULT_REFINE,
 ) -> dict[str, Any]:
     """Replay one request stream (synthetic Zipf workload unless `items`) per system (each
     mode, then the peer, all started at once): its first `warmup` requests one by one,
     unmeasured, then runs of `num_requests` Poisson requests at rising rates until the system
     saturates (`Ramp`), the systems taking turns rate by rate, each run the next part of the
     stream (`split_stream`), caches warm throughout; then, with `burst`, one run of
-    `num_requests` sent at once per system (its throughput is the capacity).
+    `num_requests` sent at once per system (its throughput is the capacity). Between the
+    two, `refine` runs on every system narrow the highest rate all sustain (`refine_rate`).
 
     `start_server` is a factory (a fresh server per mode) or a {mode: base URL} mapping.
     Reported: per system the maximum throughput it reached (the best of its runs, the burst
@@ -360,16 +400,19 @@ def run_serve_bench(
         raise CachecraftError(f"max_runs must be >= 1, got {max_runs}")
     if peer is not None and peer not in PEERS:
         raise CachecraftError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")
-    if num_requests < 1 or warmup < 0:
-        raise CachecraftError(f"need requests >= 1 and warmup >= 0, got {num_requests}, {warmup}")
+    if num_requests < 1 or warmup < 0 or refine < 0:
+        raise CachecraftError(
+            "need requests >= 1, warmup >= 0 and refine >= 0, "
+            f"got {num_requests}, {warmup}, {refine}"
+        )
     if items is None:
         from cachecraft.bench.synthetic import synthetic
 
-        items = synthetic(warmup + (max_runs + burst) * num_requests, seed=seed)
+        items = synthetic(warmup + (max_runs + burst + refine) * num_requests, seed=seed)
     items = list(items)
     if not items:
         raise CachecraftError("the serving bench needs at least one request")
-    stream = split_stream(items, warmup, num_requests, max_runs + burst)
+    stream = split_stream(items, warmup, num_requests, max_runs + burst + refine)
     rates = sorted(rates)
     opts = {
         "max_tokens": max_tokens,
@@ -379,6 +422,7 @@ def run_serve_bench(
         "max_runs": max_runs,
         "latency_bound": latency_bound,
         "burst": burst,
+        "refine": refine,
         "dtype": dtype,
         "client": client,
         "progress": progress or (lambda system, message: None),
@@ -406,6 +450,7 @@ def run_serve_bench(
             "latency_bound": latency_bound,
             "max_runs": max_runs,
             "burst": burst,
+            "refine": refine,
             "dtype": dtype,
             "client": client,
         },

@@ -16,6 +16,7 @@ from cachecraft.bench.serve_bench import (
     DEFAULT_MAX_RUNS,
     DEFAULT_MODES,
     DEFAULT_RATES,
+    DEFAULT_REFINE,
     PEERS,
     ServerFactory,
     run_serve_bench,
@@ -67,6 +68,13 @@ def add_bench_serve_parser(
         help="skip the run that sends a run's requests all at once after the ramp",
     )
     parser.add_argument(
+        "--refine",
+        type=int,
+        default=DEFAULT_REFINE,
+        help="runs after the ramp, on every system, at a rate between the highest one all "
+        "sustained and the next (each halves the gap; 0: none)",
+    )
+    parser.add_argument(
         "--warmup",
         type=int,
         default=8,
@@ -116,7 +124,7 @@ def add_bench_serve_parser(
 
 def _items(args: argparse.Namespace) -> list:
     """The whole stream: the warm-up, then `requests` for each run the ramp may make."""
-    n = args.warmup + (args.max_runs + args.burst) * args.requests
+    n = args.warmup + (args.max_runs + args.burst + args.refine) * args.requests
     if args.workload == "wiki-qa":
         from cachecraft.bench.wiki_qa import wiki_qa_zipf
 
@@ -160,6 +168,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         progress=_print_progress,
         burst=args.burst,
+        refine=args.refine,
         dtype=args.dtype,
         client=args.client,
     )
