@@ -13,7 +13,13 @@ from safetensors.torch import load_file
 
 import cachecraft.model.llama as llama
 from cachecraft.model.kv import KVCache
-from cachecraft.model.linear import PACKED_BF16_MAX_ROWS, PLAIN_MAX_ROWS, Linear, can_pack
+from cachecraft.model.linear import (
+    PACKED_BF16_MAX_ROWS,
+    PLAIN_MAX_ROWS,
+    Linear,
+    can_pack,
+    packed_is_faster,
+)
 from cachecraft.model.llama import LlamaModel
 from cachecraft.model.loader import LoadedModel
 from cachecraft.model.mlp import FUSED_MIN_ROWS, Mlp
@@ -143,3 +149,55 @@ def test_a_model_over_the_cap_keeps_only_the_packed_weights(
     model = LlamaModel(tiny.arch, tiny.hf_config, state)
     assert model.layers[0].qkv.is_packed and model.layers[0].qkv.weight is None
     assert model.lm_head.weight is model.embed or not tiny.arch.tie_word_embeddings
+
+
+@needs_onednn
+def test_pack_only_lets_the_plain_weight_go_and_keeps_the_product() -> None:
+    g = torch.Generator().manual_seed(8)
+    weight, bias = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    lin = Linear(weight, bias, pack=True, keep_plain=True)
+    x = torch.randn(3, 40, generator=g)
+    for packed in (False, True):  # either weight on request, the same product
+        assert (lin.product(x, packed) - F.linear(x, weight, bias)).abs().max() <= 1e-5 * 40
+    bare = Linear(weight, None, pack=True, keep_plain=True)
+    assert _ran_packed(bare, x) and not _ran_packed(bare, x[:1])
+    lin.pack_only()
+    assert lin.weight is None and lin.packed_rows == (0, float("inf"))
+    for n in (1, 2, 3):  # every product now the packed weight's
+        assert (lin(x[:n]) - F.linear(x[:n], weight, bias)).abs().max() <= 1e-5 * 40
+    with pytest.raises(ValueError, match="pack_only needs"):
+        Linear(weight, None, pack=False).pack_only()
+    with pytest.raises(ValueError, match="keep both weights"):
+        packed_is_faster([lin])
+
+
+@needs_onednn
+def test_a_large_model_times_its_short_products_and_keeps_one_form(
+    tiny: LoadedModel, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model over TIME_SHORT_PRODUCTS_BYTES times one- and two-row products both ways at
+    load: every Linear then keeps its plain weight for them or none does, and the model
+    answers as the plain model does either way. The test model sits below the threshold, so
+    its products never change from one load to the next."""
+    assert tiny.model.layers[0].qkv.weight is not None  # below: not timed, plain kept
+    state = load_file(str(tiny_dir / "model.safetensors"))
+    plain = LlamaModel(tiny.arch, tiny.hf_config, state, pack=False)
+    for faster in (True, False):
+        monkeypatch.setattr(llama, "TIME_SHORT_PRODUCTS_BYTES", 0)
+        monkeypatch.setattr(llama, "packed_is_faster", lambda linears, f=faster: f)
+        model = LlamaModel(tiny.arch, tiny.hf_config, state)
+        kept = {lin.weight is not None for lin in model.linears()}
+        assert kept == {not faster}
+        assert len(model.linears()) == 4 * tiny.arch.num_layers + 1
+        ids = torch.randint(3, 1000, (1,), generator=torch.Generator().manual_seed(4))
+        got, want = (
+            m.forward_step(
+                [SeqWork(KVCache(m.arch, 4, torch.float32, "cpu"), ids, torch.arange(1))]
+            )[0].logits
+            for m in (model, plain)
+        )
+        assert (got - want).abs().max() < 1e-4
+    monkeypatch.undo()
+    both = [Linear(torch.randn(64, 32), None, pack=True, keep_plain=True) for _ in range(3)]
+    assert isinstance(packed_is_faster(both, rounds=1), bool)  # the real timing runs
+    assert all(lin.weight is not None for lin in both)  # and changes nothing by itself

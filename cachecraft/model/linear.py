@@ -7,14 +7,17 @@ load. Where oneDNN is missing, the model is neither fp32 nor bf16 that oneDNN co
 natively (`_is_mkldnn_bf16_supported`), or a probe product disagrees with `F.linear`, the plain
 weight is used.
 
-One or two rows (a decode step of one or two sequences) are the exception: there torch's
-GEMV/GEMM reads the plain weight faster than oneDNN reads the packed one (SmolLM2's layers,
-one thread, A/B in one process: one row 60 -> 53 ms per step; two rows, layers and head,
-56-63 -> 42-53 ms; from three rows on oneDNN is as fast or faster). `keep_plain` keeps the
-plain weight beside the packed one for those products, at the cost of a second copy in
-memory. Rechecked on an Intel Xeon VM (AVX-512, one thread, all 30 layers, both arms
-alternating): one row plain 38.5 ms vs packed 46.5, two rows 41.7 vs 51.4, four rows 71.5 vs
-53.4; the head alone at one row 9.7 vs 11.2 ms.
+One or two rows (a decode step of one or two sequences) may be the exception, depending on
+the CPU: on some, torch's GEMV/GEMM reads the plain weight faster than oneDNN reads the packed
+one (SmolLM2's layers, one thread, A/B in one process: one row 60 -> 53 ms per step; two
+rows, layers and head, 56-63 -> 42-53 ms; on an Intel Xeon VM, AVX-512, one row plain 38.5 ms
+vs packed 46.5, two rows 41.7 vs 51.4), on others the packed one is much faster (an AMD EPYC
+VM with AVX-512, thirty-fifth session, the whole decode step at one thread: one row 35.9 ms
+plain vs 22.5 packed, two rows 60.2 vs 24.5; at two threads 35.7 vs 15.1). From three rows
+on oneDNN was as fast or faster everywhere. `keep_plain` keeps the plain weight beside the
+packed one for those products, at the cost of a second copy in memory, and
+`packed_is_faster` times both over a model's weights at load: where the packed one is as
+fast, `pack_only` drops the plain copies.
 
 bf16 is the other way round (`PACKED_BF16_MAX_ROWS`): packed is faster for small products (a
 decode step, a probe) and not for a long prefill's, so those read the plain weight.
@@ -33,6 +36,9 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
+import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +52,12 @@ from 1 to 1,500 rows; 1 was slower for many rows)."""
 
 PLAIN_MAX_ROWS = 2
 """fp32: products of at most this many rows use the plain weight when it is kept."""
+
+
+PLAIN_MIN_GAIN = 0.05
+"""fp32: the plain weights stay for short products only when they ran them at least this
+much faster (`packed_is_faster`): a closer timing is noise, and the packed-only model holds
+one copy of its weights instead of two."""
 
 
 PACKED_BF16_MAX_ROWS = 256
@@ -89,12 +101,62 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         low, high = self.packed_rows
-        if self.packed is not None and low <= x.shape[0] <= high:
+        return self.product(x, self.packed is not None and low <= x.shape[0] <= high)
+
+    def product(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
+        """x W^T + b through the packed weight or the plain one (which must be kept)."""
+        if packed:
             if not x.is_contiguous():
                 x = x.contiguous()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
+
+    def pack_only(self) -> None:
+        """Every product through the packed weight from now on; the plain copy is let go."""
+        if self.packed is None:
+            raise ValueError("pack_only needs a packed weight")
+        self.weight = None
+        self.packed_rows = (0, math.inf)
+
+
+def packed_is_faster(
+    linears: Sequence[Linear], rows: Sequence[int] = (1, 2), rounds: int = 3
+) -> bool:
+    """Whether the products of `rows` rows through every weight of `linears` in turn (packed
+    and plain both kept: a model's decode step, its weights read from memory rather than the
+    caches when they are large) take the packed weights no more than 1 / (1 - PLAIN_MIN_GAIN)
+    times what they take the plain ones: medians of `rounds` timings per form, the two forms
+    alternating, after one untimed round of each (oneDNN builds its kernels then)."""
+    if any(lin.packed is None or lin.weight is None for lin in linears):
+        raise ValueError("packed_is_faster needs linears that keep both weights")
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        (n, lin.weight.shape[1]): torch.randn(n, lin.weight.shape[1], generator=gen).to(
+            lin.weight.dtype
+        )
+        for n in rows
+        for lin in linears
+        if lin.weight is not None
+    }
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds + 1):
+        for packed in (False, True):
+            t0 = time.perf_counter()
+            for n in rows:
+                for lin in linears:
+                    assert lin.weight is not None
+                    lin.product(inputs[n, lin.weight.shape[1]], packed)
+            if r:
+                times[packed].append(time.perf_counter() - t0)
+    plain, packed_t = statistics.median(times[False]), statistics.median(times[True])
+    log.info(
+        "short products over %d weights: plain %.1f ms, packed %.1f ms",
+        len(linears),
+        1000 * plain,
+        1000 * packed_t,
+    )
+    return not plain < (1 - PLAIN_MIN_GAIN) * packed_t
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:

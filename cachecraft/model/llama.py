@@ -27,7 +27,7 @@ from cachecraft.model.attention import (
     span_onehot,
 )
 from cachecraft.model.decode import DecodePlan, attend_decode, plan_decode
-from cachecraft.model.linear import Linear, can_pack
+from cachecraft.model.linear import Linear, can_pack, packed_is_faster
 from cachecraft.model.mlp import Mlp
 from cachecraft.model.rope import Rope
 from cachecraft.model.step import DecodeBatch, LayerView, SeqResult, SeqWork, StepOutput
@@ -36,6 +36,14 @@ PLAIN_COPY_MAX_BYTES = 1 << 30
 """Packed models whose linear weights take at most this much keep their plain weights too,
 for the products those are faster at (fp32: one or two rows; bf16: long prefills;
 model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B model's 26 GiB."""
+
+
+TIME_SHORT_PRODUCTS_BYTES = 64 << 20
+"""fp32 models whose linear weights take at least this much time their one- and two-row
+products with both weights at load (`linear.packed_is_faster`, ~0.6 s for SmolLM2-135M) and
+keep the plain copies only where those are faster. Smaller ones stay in the CPU's caches, where
+a timing says nothing about a decode step that reads its weights from memory (and the test
+models' products then never change from one load to the next)."""
 
 
 ROW_ALIGN_BF16 = 32
@@ -237,6 +245,21 @@ class LlamaModel:
                     mlp=Mlp(gate_up, get(p + "mlp.down_proj.weight"), pack, plain),
                 )
             )
+        size = _linear_bytes(state_dict, dtype, tied)
+        if plain and dtype == torch.float32 and size >= TIME_SHORT_PRODUCTS_BYTES:
+            linears = self.linears()
+            if packed_is_faster(linears):
+                for lin in linears:
+                    lin.pack_only()
+
+    def linears(self) -> list[Linear]:
+        """Every Linear of a decode step, in its order: each layer's, then the head's."""
+        out = []
+        for w in self.layers:
+            out += [w.qkv, w.o]
+            if w.mlp.gate_up is not None and w.mlp.down is not None:
+                out += [w.mlp.gate_up, w.mlp.down]
+        return [*out, self.lm_head]
 
     def forward_step(self, works: list[SeqWork]) -> list[SeqResult]:
         """Run every layer for the rows of each SeqWork, writing their fresh K/V into its cache."""
