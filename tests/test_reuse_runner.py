@@ -496,6 +496,46 @@ def test_probes_run_together_measure_what_each_measures_alone(probing_llm: LLM) 
                 assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-6)
 
 
+def test_a_reused_scratch_cache_measures_what_a_fresh_one_does(probing_llm: LLM) -> None:
+    """A probe over a scratch cache kept from an earlier request (its old contents poisoned
+    with NaN) measures exactly what one over a fresh cache does: every position it reads is
+    written first. The runner keeps the scratch once the probe ran, the store of kept ones
+    stays within its bytes, and `take` hands back the smallest kept one that fits."""
+    from cachecraft.engine.probe import ScratchCaches, probe_work
+
+    llm, model = probing_llm, probing_llm.loaded.model
+    _run(llm, _req([0, 1, 2]), "naive")
+    request = _req([3, 1, 0], "Which one is oldest?")  # a miss before reused chunks: scratch
+    plan, kv = _spliced(llm, request)
+    fresh = probe_work(model, kv, plan)
+    assert fresh.scratch is not None
+    want = fresh.scores(model.forward_step([fresh.work])[0])
+    scratches = ScratchCaches()
+    old = scratches.take(model, 5 * len(plan.layout.token_ids), kv)
+    old.k.fill_(float("nan"))
+    old.v.fill_(float("nan"))
+    scratches.give(old)
+    plan, kv = _spliced(llm, request)
+    reused = probe_work(model, kv, plan, scratches)
+    assert reused.scratch is old and scratches.num_kept == 0
+    got = reused.scores(model.forward_step([reused.work])[0])
+    assert [x is None for x in got] == [x is None for x in want]
+    for a, b in zip(got, want, strict=True):
+        if a is not None:
+            assert torch.equal(torch.tensor(a), torch.tensor(b))
+    before = llm.runner.scratches.num_kept
+    _run(llm, request, "cachecraft")  # the engine's probe gives its scratch back to the runner
+    assert llm.runner.scratches.num_kept >= max(before, 1)
+    small = ScratchCaches()
+    big = small.take(model, 2 * old.k.shape[2], kv)
+    small.max_bytes = big.k.nbytes + big.v.nbytes
+    small.give(old)
+    small.give(big)  # both pass the byte budget: the larger one alone is kept
+    assert small.num_kept == 1 and small.take(model, 1, kv) is big
+    small.give(old)
+    assert small.take(model, old.k.shape[2] + 1, kv) is not old  # too small: a new one
+
+
 def test_mixed_modes_on_one_store_never_serve_approximate_kv_as_exact(llm: LLM) -> None:
     store = llm.runner.store
     _run(llm, _req([0, 1, 2]), "prefix")  # exact variants 0@(), 1@(0), 2@(0, 1)

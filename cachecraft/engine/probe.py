@@ -14,7 +14,9 @@ positions the prefill computes at every layer anyway (the uncached prefix; every
 the last reused chunk: computed chunks and the question). The probe then runs in that cache:
 no copy, no re-rotation, and nothing the prefill reads before writing it changes. Otherwise it
 runs over a scratch cache: keys before the first moved position are copied as they are, only
-the moved ones are re-rotated, and only the probe's layers are filled.
+the moved ones are re-rotated, and only the probe's layers are filled. Scratch caches are
+kept for reuse (`ScratchCaches`): a fresh one's pages are faulted in on its first write, which
+on a 2-core VM took 30-130 ms per request for 500-800 positions (the copies themselves ~1 ms).
 
 The probe is a SeqWork of its own (`probe_work`), so the engine runs the probes of every
 request starting in a step through ONE forward (one pass over the weights for all of them);
@@ -33,14 +35,71 @@ from cachecraft.model.llama import LlamaModel
 from cachecraft.model.step import KeyMeter, SeqResult, SeqWork
 from cachecraft.reuse.plan import RecomputePlan
 
+SCRATCH_ROUND = 256
+"""Scratch caches are made with room for a multiple of this many positions, so that one
+freed by a request fits the next requests of about its size."""
+
+SCRATCH_KEEP_BYTES = 256 << 20
+"""Scratch caches kept between requests, in all (SmolLM2-135M in float32: 45 KiB a position,
+so four of 1,280 positions)."""
+
+
+class ScratchCaches:
+    """Scratch caches for probes that cannot run in place, handed out by `take` and kept once
+    given back, the largest first, up to `max_bytes` in all (a probe that fails before giving
+    its back only costs the next one a fresh allocation). Not thread-safe: the engine's step
+    thread owns it."""
+
+    def __init__(self, max_bytes: int = SCRATCH_KEEP_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[KVCache] = []
+
+    def take(self, model: LlamaModel, positions: int, like: KVCache) -> KVCache:
+        """An empty cache of at least `positions` positions with `like`'s layers, heads,
+        dtype and device: the smallest kept one that fits, else a new one."""
+        fits = [kv for kv in self._free if kv.k.shape[2] >= positions and _alike(kv, like)]
+        if fits:
+            kv = min(fits, key=lambda c: c.k.shape[2])
+            self._free.remove(kv)
+        else:
+            kv = KVCache(model.arch, 0, like.k.dtype, like.k.device)
+            capacity = -(-positions // SCRATCH_ROUND) * SCRATCH_ROUND
+            shape = (like.k.shape[0], like.k.shape[1], capacity, like.k.shape[3])
+            kv.k = torch.empty(shape, dtype=like.k.dtype, device=like.k.device)
+            kv.v = torch.empty(shape, dtype=like.v.dtype, device=like.v.device)
+        kv.length = 0
+        return kv
+
+    def give(self, kv: KVCache) -> None:
+        """Keep `kv` for a later `take` (within `max_bytes`)."""
+        kept, total = [], 0
+        for c in sorted([*self._free, kv], key=lambda c: c.k.shape[2], reverse=True):
+            size = c.k.nbytes + c.v.nbytes
+            if total + size <= self.max_bytes:
+                kept.append(c)
+                total += size
+        self._free = kept
+
+    @property
+    def num_kept(self) -> int:
+        return len(self._free)
+
+
+def _alike(a: KVCache, b: KVCache) -> bool:
+    """Same layers, KV heads, head size, dtype and device."""
+    same_shape = a.k.shape[:2] == b.k.shape[:2] and a.k.shape[3] == b.k.shape[3]
+    return same_shape and a.k.dtype == b.k.dtype and a.k.device == b.k.device
+
 
 @dataclass(slots=True)
 class Probe:
     """A request's probe pass: `work` to run (alone or beside other probes), and per chunk of
-    the plan its span in the probe's context (None: not reused, not measured)."""
+    the plan its span in the probe's context (None: not reused, not measured). `scratch`:
+    the scratch cache it runs over (None: in place), to give back once it ran."""
 
     work: SeqWork
     where: list[tuple[int, int] | None]
+    scratch: KVCache | None = None
 
     def scores(self, result: SeqResult) -> list[list[float] | None]:
         """Per chunk, the question's attention on each of its tokens, from the work's result."""
@@ -49,10 +108,16 @@ class Probe:
         return [None if w is None else mass[w[0] : w[1]] for w in self.where]
 
 
-def probe_work(model: LlamaModel, kv: KVCache, plan: RecomputePlan) -> Probe:
+def probe_work(
+    model: LlamaModel,
+    kv: KVCache,
+    plan: RecomputePlan,
+    scratches: ScratchCaches | None = None,
+) -> Probe:
     """The probe pass of `plan` over `kv`, which must hold every layer of the reused chunks
     (and of the prefix when `plan.prefix_hit`). Running it may write `kv` only at positions
-    the prefill computes at every layer (see the module doc)."""
+    the prefill computes at every layer (see the module doc). A scratch cache, when one is
+    needed, comes from `scratches` (None: a new one)."""
     probe = plan.probe
     if probe is None:
         raise ValueError("the plan has no probe")
@@ -71,7 +136,10 @@ def probe_work(model: LlamaModel, kv: KVCache, plan: RecomputePlan) -> Probe:
     question = layout.question_ids
     q = len(question) if probe.question_rows is None else min(probe.question_rows, len(question))
     in_place = spans[-1][1] == m  # no computed chunk before a reused one: nothing moves
-    context = kv if in_place else _scratch(model, kv, spans, q, probe.last_layer)
+    context = kv
+    if not in_place:
+        scratch = (scratches or ScratchCaches()).take(model, m + q, kv)
+        context = _scratch(model, kv, spans, probe.last_layer, scratch)
     rows = list(range(m, m + q))
     ids = list(question[len(question) - q :])  # a trimmed probe: the question's last rows
     if not plan.prefix_hit:  # the prefix has no K/V yet: compute it in the probe as well
@@ -87,7 +155,7 @@ def probe_work(model: LlamaModel, kv: KVCache, plan: RecomputePlan) -> Probe:
         logits_for="none",
         meter=KeyMeter(m, probe.first_layer, probe.last_layer, probe.last_row),
     )
-    return Probe(work, where)
+    return Probe(work, where, None if in_place else context)
 
 
 def probe_attention(
@@ -102,17 +170,18 @@ def probe_attention(
 
 
 def _scratch(
-    model: LlamaModel, kv: KVCache, spans: list[tuple[int, int]], q: int, last_layer: int
+    model: LlamaModel,
+    kv: KVCache,
+    spans: list[tuple[int, int]],
+    last_layer: int,
+    scratch: KVCache,
 ) -> KVCache:
-    """A cache of m + q positions whose first m hold the keys and values of `kv` at the
-    `spans` (ascending (start, end) of real positions) one after the other, keys rotated to
-    their new positions, at layers 0..last_layer (the probe's rows stop there: nothing above
-    is read, so it is left unset)."""
+    """`scratch` (room for the m positions of the spans and the probe's rows) with its first
+    m positions holding the keys and values of `kv` at the `spans` (ascending (start, end) of
+    real positions) one after the other, keys rotated to their new positions, at layers
+    0..last_layer (the probe's rows stop there: nothing above is read, so it is left as it
+    was)."""
     m, top = sum(e - s for s, e in spans), last_layer + 1
-    scratch = KVCache(model.arch, 0, kv.k.dtype, kv.k.device)
-    shape = (kv.k.shape[0], kv.k.shape[1], m + q, kv.k.shape[3])
-    scratch.k = torch.empty(shape, dtype=kv.k.dtype, device=kv.k.device)
-    scratch.v = torch.empty(shape, dtype=kv.v.dtype, device=kv.v.device)
     at = 0
     for start, end in spans:
         keys = kv.k[:top, :, start:end]

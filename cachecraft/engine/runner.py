@@ -23,7 +23,7 @@ from cachecraft.config import MODES, ReuseConfig
 from cachecraft.engine.hooks import DeviationSelect, EarlyTermination
 from cachecraft.engine.layer_loader import LayerLoader
 from cachecraft.engine.prefix_cache import PrefixCache
-from cachecraft.engine.probe import Probe, probe_work
+from cachecraft.engine.probe import Probe, ScratchCaches, probe_work
 from cachecraft.engine.report import ChunkReport, RequestReport
 from cachecraft.engine.variants import make_variants
 from cachecraft.errors import BadRequestError
@@ -105,6 +105,8 @@ class Runner:
         self.prefix_cache = PrefixCache() if prefix_cache is None else prefix_cache
         self.storage_dtype = DTYPES[store.storage_dtype]
         self.stats_layers = stats_layers(self.reuse.stats_stride, loaded.arch.num_layers)
+        self.scratches = ScratchCaches()
+        """Probes' scratch caches, kept between requests (engine/probe.py)."""
 
     # ---- planning -------------------------------------------------------------------------
     def plan(
@@ -200,7 +202,7 @@ class Runner:
             return Spliced(plan, kv, loader, t0)
         try:
             loader.fill_all()  # the probe reads every layer of the reused chunks up front
-            return Spliced(plan, kv, loader, t0, probe_work(m.model, kv, plan))
+            return Spliced(plan, kv, loader, t0, probe_work(m.model, kv, plan, self.scratches))
         except Exception:
             loader.close()
             raise
@@ -218,6 +220,9 @@ class Runner:
                 raise ValueError("the request's probe has not run")
             probe_rows = plan.num_probe_rows
             plan = resolve_probe(plan, spliced.probe.scores(probe_result))
+            if spliced.probe.scratch is not None:  # it ran: its scratch is free again
+                self.scratches.give(spliced.probe.scratch)
+                spliced.probe.scratch = None
         positions = torch.tensor(plan.rows(), dtype=torch.long)
         ids = torch.tensor(plan.layout.token_ids, dtype=torch.long)[positions]
         work = SeqWork(kv, ids, positions)
