@@ -93,6 +93,18 @@ def test_ramp_stops_at_the_first_saturated_rate_and_doubles_past_the_ladder() ->
     assert out["1"]["e2e_ms_p50"] > 3.0 * out["0.25"]["e2e_ms_p50"]
 
 
+def _system(seen: list, name: str, capacity: float) -> serve_bench.RunAt:
+    """A fake system of `capacity` req/s: past it latency jumps 10x and throughput stays at
+    capacity; every run is noted in `seen` as (name, first item id, rate)."""
+
+    def run_at(items: list[WorkloadItem], rate: float) -> dict:
+        seen.append((name, items[0].id, rate))
+        e2e = 100.0 if rate <= capacity else 1000.0
+        return _summary(e2e) | {"throughput_rps": min(rate, capacity), "offered_rps": rate}
+
+    return run_at
+
+
 def test_systems_take_turns_rate_by_rate_then_burst_over_the_same_requests() -> None:
     """Systems whose ramps stop at different runs: each rate runs on every system still
     ramping before the next rate, each ramp run takes the next part of the stream, and every
@@ -101,15 +113,7 @@ def test_systems_take_turns_rate_by_rate_then_burst_over_the_same_requests() -> 
     opts = {"max_runs": 3, "latency_bound": 3.0, "burst": True}
     seen: list[tuple[str, str, float]] = []
 
-    def system(name: str, capacity: float) -> serve_bench.RunAt:
-        def run_at(items: list[WorkloadItem], rate: float) -> dict:
-            seen.append((name, items[0].id, rate))
-            e2e = 100.0 if rate <= capacity else 1000.0
-            return _summary(e2e) | {"throughput_rps": min(rate, capacity), "offered_rps": rate}
-
-        return run_at
-
-    systems = {"slow": system("slow", 0.1), "fast": system("fast", 100.0)}
+    systems = {"slow": _system(seen, "slow", 0.1), "fast": _system(seen, "fast", 100.0)}
     out = serve_bench._take_turns(systems, runs, [0.5], opts)
     assert seen == [
         ("slow", "0", 0.5),  # saturated at once: its ramp ends here
@@ -133,15 +137,7 @@ def test_refining_runs_bisect_between_the_common_rate_and_the_next() -> None:
     opts = {"max_runs": 4, "latency_bound": 3.0, "burst": True, "refine": 2}
     seen: list[tuple[str, str, float]] = []
 
-    def system(name: str, capacity: float) -> serve_bench.RunAt:
-        def run_at(items: list[WorkloadItem], rate: float) -> dict:
-            seen.append((name, items[0].id, rate))
-            e2e = 100.0 if rate <= capacity else 1000.0
-            return _summary(e2e) | {"throughput_rps": min(rate, capacity), "offered_rps": rate}
-
-        return run_at
-
-    systems = {"a": system("a", 1.3), "b": system("b", 1.6), "c": system("c", 100.0)}
+    systems = {n: _system(seen, n, cap) for n, cap in (("a", 1.3), ("b", 1.6), ("c", 100.0))}
     out = serve_bench._take_turns(systems, runs, [0.25, 0.5], opts)
     refined = [(name, item, rate) for name, item, rate in seen if item in ("5", "6")]
     # 1.0 sustained by all, 2.0 failed by a and b: 1.41 (a fails it), then 1.19 (all sustain)
