@@ -265,11 +265,11 @@ def refine_rate(per_system: Mapping[str, Runs], latency_bound: float) -> float |
         if not ran:
             return None
         base = ran[min(ran)].get("e2e_ms_p50")
-        kept = [r for r, s in ran.items() if _sustains(s, base, latency_bound)]
-        if not kept:
+        ok = {r: _sustains(s, base, latency_bound) for r, s in ran.items()}
+        if not any(ok.values()):
             return None
-        lows.append(max(kept))
-        highs.append([r for r, s in ran.items() if not _sustains(s, base, latency_bound)])
+        lows.append(max(r for r, sustained in ok.items() if sustained))
+        highs.append([r for r, sustained in ok.items() if not sustained])
     low = min(lows)
     above = [r for failed in highs for r in failed if r > low]
     if not above:

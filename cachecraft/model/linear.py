@@ -128,25 +128,22 @@ def packed_is_faster(
     caches when they are large) take the packed weights no more than 1 / (1 - PLAIN_MIN_GAIN)
     times what they take the plain ones: medians of `rounds` timings per form, the two forms
     alternating, after one untimed round of each (oneDNN builds its kernels then)."""
-    if any(lin.packed is None or lin.weight is None for lin in linears):
+    weights = [lin.weight for lin in linears]
+    if any(lin.packed is None for lin in linears) or any(w is None for w in weights):
         raise ValueError("packed_is_faster needs linears that keep both weights")
     gen = torch.Generator().manual_seed(0)
-    inputs = {
-        (n, lin.weight.shape[1]): torch.randn(n, lin.weight.shape[1], generator=gen).to(
-            lin.weight.dtype
-        )
+    inputs = [  # one input per product, in the order they run
+        torch.randn(n, w.shape[1], generator=gen).to(w.dtype)
         for n in rows
-        for lin in linears
-        if lin.weight is not None
-    }
+        for w in weights
+        if w is not None
+    ]
     times: dict[bool, list[float]] = {False: [], True: []}
     for r in range(rounds + 1):
         for packed in (False, True):
             t0 = time.perf_counter()
-            for n in rows:
-                for lin in linears:
-                    assert lin.weight is not None
-                    lin.product(inputs[n, lin.weight.shape[1]], packed)
+            for lin, x in zip(list(linears) * len(rows), inputs, strict=True):
+                lin.product(x, packed)
             if r:
                 times[packed].append(time.perf_counter() - t0)
     plain, packed_t = statistics.median(times[False]), statistics.median(times[True])
