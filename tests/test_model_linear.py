@@ -22,7 +22,7 @@ from cachecraft.model.linear import (
 )
 from cachecraft.model.llama import LlamaModel
 from cachecraft.model.loader import LoadedModel
-from cachecraft.model.mlp import FUSED_MIN_ROWS, Mlp
+from cachecraft.model.mlp import FUSED_MIN_ROWS, ROW_BLOCK, Mlp
 from cachecraft.model.step import SeqWork
 
 needs_onednn = pytest.mark.skipif(
@@ -99,7 +99,8 @@ def test_mlp_equals_its_definition(dtype: torch.dtype) -> None:
     lean = Mlp(gate_up.to(dtype), down.to(dtype), pack, keep_plain=False)
     assert (lean.gate_up is None) == (lean.fused is not None)
     tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
-    for n in (1, 3, FUSED_MIN_ROWS, 300):  # below FUSED_MIN_ROWS: the first form in `mlp`
+    # below FUSED_MIN_ROWS: the first form in `mlp`; past ROW_BLOCK: products in blocks
+    for n in (1, 3, FUSED_MIN_ROWS, 300, 2 * ROW_BLOCK + 3):
         x = torch.randn(n, 40, generator=g).to(dtype)
         h = torch.randn(n, 40, generator=g).to(dtype)
         gate, up = (x.float() @ gate_up.to(dtype).float().T).chunk(2, dim=-1)
