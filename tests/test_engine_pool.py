@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cachecraft.engine.engine import Engine, EngineConfig
+from cachecraft.engine.handle import Failed, Finished
 from cachecraft.engine.offline import Submission, run_requests
 from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
@@ -100,3 +101,90 @@ def test_lazy_zeros_are_zero_aligned_and_writable() -> None:
         x[1, 2] = 1.5
         assert float(x.sum()) == 1.5 * 20
     assert lazy_zeros((0, 4), torch.float32, "cpu").numel() == 0
+
+
+def _resident(t: torch.Tensor) -> list[bool]:
+    """Per page under contiguous t, whether the OS has mapped it (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    end = t.data_ptr() + t.numel() * t.element_size()
+    num_pages = -(-(end - start) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * num_pages)()
+    rc = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec)
+    assert rc == 0, ctypes.get_errno()
+    return [bool(b & 1) for b in vec]
+
+
+def test_touch_pages_writes_one_zero_byte_in_every_page_of_every_row() -> None:
+    from cachecraft.model.kv import PAGE_BYTES, touch_pages
+
+    raw = torch.full((3, 4, 20000), 0x11, dtype=torch.uint8)  # no zero byte anywhere
+    x = raw.view(torch.float32)  # [3, 4, 5000]
+    touch_pages(x[:, 1, 100:4500])  # rows of 4,400 floats, 17,600 bytes, none page-aligned
+    zeros = (raw == 0).nonzero().tolist()
+    rows = {(a, b) for a, b, _ in zeros}
+    assert rows == {(a, 1) for a in range(3)}  # the view's rows only, not a copy of them
+    offsets = sorted({c - 400 for _, _, c in zeros})  # from the row's first byte
+    assert offsets == [*range(0, 17600, PAGE_BYTES), 17599]
+
+
+def test_warm_step_maps_free_slots_and_leaves_every_value_as_it_was(
+    tiny_model: LoadedModel,
+) -> None:
+    from cachecraft.model.kv_pool import KVPool
+
+    arch = tiny_model.arch
+    pool = KVPool(arch, 3, torch.float32, "cpu", 64 << 20, warm_positions=300)
+    assert pool.num_unwarmed == 3 and pool.capacity == 0
+    live = pool.acquire(40)  # slot 0: its 40 positions mapped at once, then written
+    assert live is not None and live.slot == 0
+    live.k[:, :, :40] = 1.0
+    live.v[:, :, :40] = 2.0
+    untouched = pool.v[0, 1, 0, :300]  # slot 1's values, layer 0, head 0
+    assert not any(_resident(untouched))
+    steps = 0
+    while pool.warm_step():
+        steps += 1
+    assert steps == 2 * arch.num_layers  # the two free slots, a layer a call
+    assert pool.num_unwarmed == 0 and all(_resident(untouched))
+    assert all(_resident(pool.v[arch.num_layers - 1, 2, -1, :300]))
+    assert not any(_resident(pool.v[0, 1, 0, 1200:]))  # past warm_positions: left alone
+    assert float(live.k[:, :, :40].min()) == 1.0 and float(live.v[:, :, :40].min()) == 2.0
+    assert float(pool.k.abs().sum()) == live.k[:, :, :40].numel()  # zeros elsewhere
+    pool.release(live)
+    assert pool.num_unwarmed == 1  # slot 0 was mapped to 40 positions only
+    while pool.warm_step():
+        pass
+    assert pool.num_unwarmed == 0 and float(pool.v[:, 0, :, :40].min()) == 2.0  # kept
+    cold = KVPool(arch, 2, torch.float32, "cpu", 64 << 20)  # warm_positions 0: nothing
+    assert not cold.warm_step() and cold.capacity == 0
+
+
+def test_an_idle_engine_warms_its_pool_and_answers_as_one_that_does_not(
+    tiny_model: LoadedModel,
+) -> None:
+    import time
+
+    requests = [_request(i, n) for i, n in enumerate((5, 40, 12))]
+    want, _ = _answers(tiny_model, EngineConfig(max_running=4, kv_warm_positions=0), requests)
+    config = EngineConfig(max_running=4, kv_warm_positions=128)
+    engine = Engine(Runner(tiny_model, MemoryStore(1 << 28)), config).start()
+    try:
+        pool = engine.pool
+        assert pool is not None
+        deadline = time.monotonic() + 30
+        while pool.num_unwarmed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.num_unwarmed == 0 and pool.capacity >= 128
+        greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+        for request, tokens in zip(requests, want, strict=True):
+            handle = engine.submit(request, greedy, "cachecraft")
+            event = handle.get(timeout=60)
+            while not isinstance(event, Finished | Failed):
+                event = handle.get(timeout=60)
+            assert isinstance(event, Finished) and event.output_ids == tokens
+    finally:
+        engine.stop()

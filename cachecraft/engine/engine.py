@@ -86,7 +86,9 @@ class EngineConfig:
     a request that does not fit gets a cache of its own and decodes alone (0: no pool);
     chunked_prefill: a prefill larger than what is left of a step's budget runs in pieces over
     several steps, the others' decodes going on between them (plans whose in-forward checks
-    need all rows at once always run whole)."""
+    need all rows at once always run whole); kv_warm_positions: positions of every free pool
+    slot whose pages the step thread maps while it has nothing else to do (`KVPool.warm_step`;
+    ~70 MB a slot for SmolLM2 at 1,024; 0: none). Caller-driven engines (`LLM`) never idle."""
 
     token_budget: int = 2048
     max_running: int = 16
@@ -94,12 +96,14 @@ class EngineConfig:
     mode: str = "cachecraft"
     kv_pool_mib: int = 4096
     chunked_prefill: bool = True
+    kv_warm_positions: int = 1024
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.kv_pool_mib < 0:
-            raise ValueError(f"kv_pool_mib must be >= 0, got {self.kv_pool_mib}")
+        for name in ("kv_pool_mib", "kv_warm_positions"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("token_budget", "max_running", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -185,7 +189,12 @@ class Engine:
         self.pool: KVPool | None = None
         if c.kv_pool_mib:
             self.pool = KVPool(
-                runner.loaded.arch, c.max_running, model.dtype, model.device, c.kv_pool_mib << 20
+                runner.loaded.arch,
+                c.max_running,
+                model.dtype,
+                model.device,
+                c.kv_pool_mib << 20,
+                warm_positions=c.kv_warm_positions,
             )
         self._released: list[KVCache] = []  # caches of requests that ended this step
         self._warm = False  # `_warm_kernels` ran
@@ -317,19 +326,29 @@ class Engine:
             self.runner.loaded.model.warm_kernels(c.token_budget + c.max_running)
 
     def _loop(self) -> None:
+        warming = self.pool is not None
         while True:
             with self._wake:
-                while not (
-                    self._stopping
-                    or self._inbox
-                    or self._aborts
-                    or self._calls
-                    or self.scheduler.has_work()
-                ):
+                while not (busy := self._has_work()) and not warming:
                     self._wake.wait()
                 if self._stopping:
                     break
-            self._advance(*self._take())
+            if busy:
+                self._advance(*self._take())
+                warming = self.pool is not None  # slots given back may want mapping
+            else:  # idle: map a little of the pool, outside the lock, then look again
+                assert self.pool is not None
+                warming = self.pool.warm_step()
+
+    def _has_work(self) -> bool:
+        """Something for the step thread to do (under the lock)."""
+        return bool(
+            self._stopping
+            or self._inbox
+            or self._aborts
+            or self._calls
+            or self.scheduler.has_work()
+        )
 
     def _take(self) -> tuple[list[_Live], dict[str, str], list[tuple[Callable[[], Any], Future]]]:
         """What other threads queued since the last step (under the lock)."""

@@ -118,6 +118,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="memory of the KV pool that batches decode attention (0: no pool)",
     )
     p.add_argument(
+        "--kv-warm-positions",
+        type=int,
+        default=engine.kv_warm_positions,
+        help="positions of every KV pool slot mapped into memory while idle (0: none)",
+    )
+    p.add_argument(
         "--chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=engine.chunked_prefill,
@@ -225,6 +231,7 @@ def main_serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             mode=args.mode,
             kv_pool_mib=args.kv_pool_mib,
+            kv_warm_positions=args.kv_warm_positions,
             chunked_prefill=args.chunked_prefill,
         )
     except ValueError as e:
