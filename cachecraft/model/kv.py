@@ -34,15 +34,11 @@ PAGE_BYTES = 4096
 
 
 def touch_pages(t: torch.Tensor) -> None:
-    """Have the OS map every page under t now, from this one thread: one zero byte is written
-    into every `PAGE_BYTES` of each row (t's last dimension must be contiguous), so only
-    memory whose bytes are zeros anyway (`lazy_zeros` pages never written) or do not matter
-    (a scratch buffer) may be touched. A page
-    first written by a parallel torch operation is faulted in by several threads at once, and
-    on this 2-core VM such a fault cost ~13 us against ~2 us from one thread (fresh KV pool
-    slots, two threads: 800 positions' keys 122-140 ms against 21-22 ms, then 1 ms once
-    mapped). numpy writes, so torch's thread count (and oneDNN's kernels keyed by it) are left
-    alone. CPU tensors only; other devices have no such pages."""
+    """Have the OS map every page under t now: one zero byte is written into every
+    `PAGE_BYTES` of each row (t's last dimension must be contiguous), so only memory whose
+    bytes are zeros anyway (`lazy_zeros` pages never written) or do not matter may be touched.
+    The writes are numpy's, on this thread alone, so torch's thread count (and oneDNN's
+    kernels, keyed by it) are left alone. CPU tensors only; other devices have no such pages."""
     if t.device.type != "cpu" or t.numel() == 0:
         return
     rows = t.view(torch.uint8).numpy()  # [..., last * element size]

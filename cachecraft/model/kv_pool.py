@@ -145,11 +145,19 @@ class KVPool:
         if layers == slice(None):
             self._touched[slot], self._warm_layers[slot] = end, 0
 
+    def _warm_end(self) -> int:
+        """Positions of each free slot `warm_step` maps: `warm_positions` within `max_bytes`
+        and the context (0 off a CPU, where there are no such pages)."""
+        if self.v.device.type != "cpu":
+            return 0
+        fit = self.max_bytes // max(self.bytes_for(1), 1)
+        return min(self.warm_positions, self.max_positions, fit)
+
     @property
     def num_unwarmed(self) -> int:
-        """Free slots `warm_step` has yet to map (all free slots while the pool is empty)."""
-        end = min(self.warm_positions, self.capacity) if self.capacity else self.warm_positions
-        return sum(self._touched[slot] < end for slot in self._free)
+        """Free slots `warm_step` has yet to map."""
+        end = self._warm_end()
+        return sum(self._touched[slot] < end for slot in self._free) if end > 0 else 0
 
     def warm_step(self) -> bool:
         """Map one layer's pages of the lowest free slot whose first `warm_positions`
@@ -159,9 +167,8 @@ class KVPool:
         for a page the host already backs, and a burst of 16 requests over fresh slots took
         15.4 s against 9.2 s over mapped ones (SmolLM2, two threads, ~240k faults). One call
         maps ~600 pages (SmolLM2's layer of one slot at 1,024 positions, ~15 ms there)."""
-        fit = self.max_bytes // max(self.bytes_for(1), 1)
-        end = min(self.warm_positions, self.max_positions, fit)
-        if end <= 0 or not self._free or self.v.device.type != "cpu":
+        end = self._warm_end()
+        if end <= 0 or not self._free:
             return False
         if self.capacity < end:
             try:
@@ -169,7 +176,6 @@ class KVPool:
             except (OSError, RuntimeError):
                 self.warm_positions = 0  # the OS refused: no warming, requests still served
                 return False
-            end = min(end, self.capacity)
         for slot in sorted(self._free):
             if self._touched[slot] < end:
                 layer = self._warm_layers[slot]
