@@ -139,10 +139,12 @@ def test_warm_step_maps_free_slots_and_leaves_every_value_as_it_was(
     arch = tiny_model.arch
     pool = KVPool(arch, 3, torch.float32, "cpu", 64 << 20, warm_positions=300)
     assert pool.num_unwarmed == 3 and pool.capacity == 0
-    live = pool.acquire(40)  # slot 0: its 40 positions mapped at once, then written
+    live = pool.acquire(400)  # slot 0, whose first 40 positions a sequence writes
     assert live is not None and live.slot == 0
+    assert not any(_resident(pool.v[0, 0, 0, 40:300]))  # handed out unmapped
     live.k[:, :, :40] = 1.0
     live.v[:, :, :40] = 2.0
+    live.length = 40
     untouched = pool.v[0, 1, 0, :300]  # slot 1's values, layer 0, head 0
     assert not any(_resident(untouched))
     steps = 0
@@ -155,7 +157,7 @@ def test_warm_step_maps_free_slots_and_leaves_every_value_as_it_was(
     assert float(live.k[:, :, :40].min()) == 1.0 and float(live.v[:, :, :40].min()) == 2.0
     assert float(pool.k.abs().sum()) == live.k[:, :, :40].numel()  # zeros elsewhere
     pool.release(live)
-    assert pool.num_unwarmed == 1  # slot 0 was mapped to 40 positions only
+    assert pool.num_unwarmed == 1  # slot 0 was written (mapped) to 40 positions only
     while pool.warm_step():
         pass
     assert pool.num_unwarmed == 0 and float(pool.v[:, 0, :, :40].min()) == 2.0  # kept

@@ -76,7 +76,9 @@ class KVPool:
         self._caches: dict[int, KVCache] = {}
         self.warm_positions = warm_positions
         self._touched = [0] * num_slots
-        """Per slot, the positions whose pages are mapped (`_touch`, `warm_step`)."""
+        """Per slot, the positions whose pages are mapped (by `warm_step`, or written by a
+        sequence that held it: a slot handed out is mapped lazily, as its positions are
+        written, so a request asking for many tokens does not wait to map them all)."""
         self._warm_layers = [0] * num_slots
         """Per slot, the layers `warm_step` mapped past `_touched` so far."""
 
@@ -121,29 +123,22 @@ class KVPool:
             except (OSError, RuntimeError):  # not even `capacity` could be mapped
                 return None
         slot = heapq.heappop(self._free)
-        self._touch(slot, capacity)
         kv = KVCache(self.arch, 0, self.v.dtype, self.v.device)
         kv.pool, kv.slot = self, slot
         kv.k, kv.v = self.k[:, slot], self.v[:, slot]
         self._caches[slot] = kv
         return kv
 
-    def _touch(self, slot: int, capacity: int, layers: slice = slice(None)) -> None:
-        """Map the pages of `slot`'s first `capacity` positions (of `layers`) now, from this
-        thread (`touch_pages`): otherwise the prefill's parallel writes fault them in. Only
-        a free slot is touched (by `acquire` before handing it out, or `warm_step`): its
-        positions past `_touched` hold zeros or a finished sequence's K/V, which no reader
-        looks at, so the zeros written change nothing."""
-        done, end = self._touched[slot], min(capacity, self.capacity)
-        if end <= done:
-            return
+    def _touch(self, slot: int, end: int, layer: int) -> None:
+        """Map the pages of free `slot`'s positions `_touched[slot]`..end-1 in `layer`
+        (`touch_pages`). They hold zeros or K/V a finished sequence wrote past its length,
+        which no reader looks at, so the zeros written change nothing."""
+        done, layers = self._touched[slot], slice(layer, layer + 1)
         if self.transposed_keys:
             touch_pages(self._keys[layers, slot, :, :, done:end])
         else:
             touch_pages(self._keys[layers, slot, :, done:end].flatten(-2))
         touch_pages(self.v[layers, slot, :, done:end].flatten(-2))
-        if layers == slice(None):
-            self._touched[slot], self._warm_layers[slot] = end, 0
 
     def _warm_end(self) -> int:
         """Positions of each free slot `warm_step` maps: `warm_positions` within `max_bytes`
@@ -179,7 +174,7 @@ class KVPool:
         for slot in sorted(self._free):
             if self._touched[slot] < end:
                 layer = self._warm_layers[slot]
-                self._touch(slot, end, slice(layer, layer + 1))
+                self._touch(slot, end, layer)
                 if layer + 1 < self.arch.num_layers:
                     self._warm_layers[slot] = layer + 1
                 else:
@@ -194,6 +189,8 @@ class KVPool:
             raise ValueError("this KVCache is not a live slot of this pool")
         del self._caches[kv.slot]
         heapq.heappush(self._free, kv.slot)
+        # its first `length` positions were written, so mapped: `warm_step` goes on from there
+        self._touched[kv.slot] = max(self._touched[kv.slot], min(kv.length, self.capacity))
         kv.pool, kv.slot, kv.length = None, None, 0
         kv.k, kv.v = kv.k[:, :, :0], kv.v[:, :, :0]
 
