@@ -171,16 +171,17 @@ class KVPool:
             except (OSError, RuntimeError):
                 self.warm_positions = 0  # the OS refused: no warming, requests still served
                 return False
-        for slot in sorted(self._free):
-            if self._touched[slot] < end:
-                layer = self._warm_layers[slot]
-                self._touch(slot, end, layer)
-                if layer + 1 < self.arch.num_layers:
-                    self._warm_layers[slot] = layer + 1
-                else:
-                    self._touched[slot], self._warm_layers[slot] = end, 0
-                return True
-        return False
+        todo = [slot for slot in self._free if self._touched[slot] < end]
+        if not todo:
+            return False
+        slot = min(todo)
+        layer = self._warm_layers[slot]
+        self._touch(slot, end, layer)
+        if layer + 1 < self.arch.num_layers:
+            self._warm_layers[slot] = layer + 1
+        else:
+            self._touched[slot], self._warm_layers[slot] = end, 0
+        return True
 
     def release(self, kv: KVCache) -> None:
         """Give `kv`'s slot back. The cache is emptied (zero capacity), so a late write to it
@@ -190,7 +191,7 @@ class KVPool:
         del self._caches[kv.slot]
         heapq.heappush(self._free, kv.slot)
         # its first `length` positions were written, so mapped: `warm_step` goes on from there
-        self._touched[kv.slot] = max(self._touched[kv.slot], min(kv.length, self.capacity))
+        self._touched[kv.slot] = max(self._touched[kv.slot], kv.length)
         kv.pool, kv.slot, kv.length = None, None, 0
         kv.k, kv.v = kv.k[:, :, :0], kv.v[:, :, :0]
 
