@@ -14,6 +14,7 @@ from cachecraft.store import codec
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import DiskTier
 from cachecraft.store.layers import TensorLayerReader, all_layers
+from cachecraft.store.policy import VariantStats
 from cachecraft.store.store import TieredStore
 
 SIZE = 512
@@ -88,6 +89,42 @@ def test_crash_leftovers_are_cleaned_on_reopen(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".safetensors") == [
         keep.variant_id + ".safetensors"
     ]
+
+
+def _cached_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (mincore over a read-only map)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    num_pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * num_pages)()
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as m:
+        view = np.frombuffer(m, dtype=np.uint8)
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
+        del view
+    assert rc == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec)
+
+
+def test_a_written_variant_leaves_the_page_cache_and_reads_back_whole(tmp_path: Path) -> None:
+    """The memory tier holds what is written through, so the page cache need not."""
+    tier = DiskTier(tmp_path, 1 << 24)
+    v = make_variant("a", num_tokens=256, num_heads=4, head_dim=64)  # 1 MiB of K/V
+    assert (
+        tier.put(v, VariantStats(v.variant_id, "a", 256, v.nbytes), lambda residents, need: [])
+        == []
+    )
+    path = file_of(tmp_path, v.variant_id)
+    assert path.stat().st_size > v.nbytes
+    assert _cached_pages(path) == 0
+    path.read_bytes()
+    assert _cached_pages(path) > 0  # the probe sees cached pages when there are some
+    got = tier.get(v.variant_id)
+    assert got is not None and torch.equal(got.keys, v.keys) and torch.equal(got.values, v.values)
 
 
 def test_live_process_temp_file_is_left_alone(tmp_path: Path) -> None:

@@ -427,6 +427,7 @@ class DiskTier:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+            _drop_cached_pages(fh.fileno())
         evicted: list[str] = []
         try:
             with self._write() as db:
@@ -511,6 +512,16 @@ class DiskTier:
             mine = [p for p in self.root.glob(f".*.{os.getpid()}.*.tmp")]
             assert not mine, f"temp files left behind: {mine}"
             assert self.nbytes <= self.capacity_bytes, "disk tier over capacity"
+
+
+def _drop_cached_pages(fd: int) -> None:
+    """Let the kernel drop a just-written file's pages from its page cache. A variant written
+    through is still in the memory tier above, so the cached copy only duplicates it until that
+    tier evicts it; and filling the page cache costs fresh memory: on a VM whose host backs
+    guest memory lazily, ~20 ms of CPU per 3.6 MB file against ~1 ms when the few pages
+    dropped are reused write after write. A later read costs a few ms from the device."""
+    if hasattr(os, "posix_fadvise"):  # Linux, the BSDs; not macOS
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 class _Refused(Exception):
