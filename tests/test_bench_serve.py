@@ -105,12 +105,12 @@ def _system(seen: list, name: str, capacity: float) -> serve_bench.RunAt:
     return run_at
 
 
-def test_systems_take_turns_rate_by_rate_then_burst_over_the_same_requests() -> None:
+def test_systems_take_turns_rate_by_rate_then_bursts_over_the_same_requests() -> None:
     """Systems whose ramps stop at different runs: each rate runs on every system still
-    ramping before the next rate, each ramp run takes the next part of the stream, and every
-    burst replays one part of the stream after any ramp."""
-    runs = [[WorkloadItem(str(i), RagRequest(f"q{i}?", [Chunk("c")]))] for i in range(4)]
-    opts = {"max_runs": 3, "latency_bound": 3.0, "burst": True}
+    ramping before the next rate, each ramp run takes the next part of the stream, and the
+    bursts go round by round, burst i replaying one part of the stream after any ramp."""
+    runs = [[WorkloadItem(str(i), RagRequest(f"q{i}?", [Chunk("c")]))] for i in range(5)]
+    opts = {"max_runs": 3, "latency_bound": 3.0, "bursts": 2}
     seen: list[tuple[str, str, float]] = []
 
     systems = {"slow": _system(seen, "slow", 0.1), "fast": _system(seen, "fast", 100.0)}
@@ -122,10 +122,13 @@ def test_systems_take_turns_rate_by_rate_then_burst_over_the_same_requests() -> 
         ("fast", "2", 2.0),
         ("slow", "3", math.inf),
         ("fast", "3", math.inf),
+        ("slow", "4", math.inf),
+        ("fast", "4", math.inf),
     ]
     assert list(out["slow"]) == ["0.5", "burst"] and list(out["fast"]) == ["0.5", "1", "2", "burst"]
+    assert [s["throughput_rps"] for s in out["slow"]["burst"]] == [0.1, 0.1]
     seen.clear()
-    out = serve_bench._take_turns(systems, runs, [0.5], opts | {"burst": False})
+    out = serve_bench._take_turns(systems, runs, [0.5], opts | {"bursts": 0})
     assert all("burst" not in r for r in out.values()) and math.inf not in [r for *_, r in seen]
 
 
@@ -134,7 +137,7 @@ def test_refining_runs_bisect_between_the_common_rate_and_the_next() -> None:
     all sustained and the lowest one some system failed above it; each refining run takes its
     own part of the stream after the burst's, and a sustained midpoint raises the lower end."""
     runs = [[WorkloadItem(str(i), RagRequest(f"q{i}?", [Chunk("c")]))] for i in range(8)]
-    opts = {"max_runs": 4, "latency_bound": 3.0, "burst": True, "refine": 2}
+    opts = {"max_runs": 4, "latency_bound": 3.0, "bursts": 1, "refine": 2}
     seen: list[tuple[str, str, float]] = []
 
     systems = {n: _system(seen, n, cap) for n, cap in (("a", 1.3), ("b", 1.6), ("c", 100.0))}
@@ -201,6 +204,8 @@ def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
         runs = {r: result["per_rate"][r][m]["throughput_rps"] for r in ("1", "2")}
         runs["burst"] = result["burst"][m]["throughput_rps"]
         assert result["burst"][m]["num_completed"] == 3
+        each = result["burst_throughputs_rps"][m]
+        assert len(each) == serve_bench.DEFAULT_BURSTS and runs["burst"] == sorted(each)[1]
         assert tput[m] == max(runs.values()) == runs[result["max_throughput_run"][m]]
         assert result["computed_tokens_per_s"][m] is not None
         assert result["work_tokens_per_s"][m] >= result["computed_tokens_per_s"][m]
@@ -243,9 +248,10 @@ def test_cli_parses_and_prints_json(fake_url: str, capsys: pytest.CaptureFixture
     for bad in ("fast", "-1", "0.1,0", "nan"):  # refused before any workload is built
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--rates", bad])
-    assert (
-        parser.parse_args(["serve"]).burst and not parser.parse_args(["serve", "--no-burst"]).burst
-    )
+    bursts = [
+        parser.parse_args(["serve", *a]).bursts for a in ([], ["--no-burst"], ["--bursts", "5"])
+    ]
+    assert bursts == [serve_bench.DEFAULT_BURSTS, 0, 5]
 
     args = parser.parse_args(
         ["serve", "--json", "--rates", "20", "--requests", "2", "--warmup", "1", "--max-runs", "1"]
@@ -322,3 +328,10 @@ def test_warm_up_requests_are_replayed_but_not_measured(fake_url: str) -> None:
     assert run["cachecraft"]["num_completed"] == run["vllm"]["num_completed"] == 1
     cache = run["vllm"]["prefix_cache"]  # the run's own request only, a hit thanks to warm-up
     assert 0 < cache["hits"] < cache["queries"] == run["vllm"]["prompt_tokens"]
+
+
+def test_the_median_burst_is_a_run_that_happened() -> None:
+    runs = [{"throughput_rps": t, "id": i} for i, t in enumerate((2.0, 1.0, 3.0, 1.5))]
+    assert serve_bench.median_run(runs[:3])["id"] == 0  # 1.0 2.0 3.0
+    assert serve_bench.median_run(runs)["id"] == 3  # the lower middle of 1.0 1.5 2.0 3.0
+    assert serve_bench.median_run(runs[1:2])["id"] == 1

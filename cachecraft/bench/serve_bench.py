@@ -1,6 +1,6 @@
 """`cachecraft bench serve`: the same open-loop Poisson RAG trace replayed against our server per
 mode (and vLLM with prefix caching as the peer) at rising rates until each system saturates,
-then once as a burst (every request of a run sent at once, vLLM's `--request-rate inf`):
+then in bursts (every request of a run sent at once, vLLM's `--request-rate inf`):
 maximum throughput, computed prompt tokens/s, and TTFT / e2e latency at the highest rate every
 system sustains. Owns the orchestration and the report; our server is started by the factory
 the caller passes (the CLI passes `cachecraft.bench.own_server.server_process`: `cachecraft serve`
@@ -13,7 +13,7 @@ system), so every run measures steady-state serving, not a cold start; every sys
 same stream in the same order.
 
 The systems take turns: all of them are started and warmed up first, then each rate of the
-ramp runs on every system still ramping, one after another, and then each system's burst.
+ramp runs on every system still ramping, one after another, and then the bursts, round by round.
 This machine's speed drifts by 20-30% over minutes; one system ramping after another had
 compared the drift as much as the systems, while turns put every pair of runs compared
 seconds to a minute apart.
@@ -22,8 +22,10 @@ Why the burst: a Poisson run past capacity still spends its first seconds waitin
 arrivals, so requests / makespan is bounded by the offered rate as well as by the system, and
 a faster system loses more of its margin to that floor (on the 16-request wiki-qa runs the
 last arrival of a 2.4 req/s run comes at ~6.7 s of a 15-19 s makespan). The burst has no
-arrival floor: its throughput is the system's capacity. Every system's burst replays the same
-requests (the stream's part after the last ramp run any system may make).
+arrival floor: its throughput is the system's capacity. Every system's bursts replay the same
+requests (the stream's parts after the last ramp run any system may make), in turns, and its
+capacity is their median: one burst of 16 requests swung by up to 20% between runs of the same
+code (vLLM's 1.98-2.38 req/s in three runs of session 36), more than the margins compared.
 """
 
 from __future__ import annotations
@@ -206,9 +208,11 @@ def _with_rate(summary: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
-Runs = dict[str, dict[str, Any]]
-"""One system's runs: {rate key: summary}, plus BURST when it ran one."""
+Runs = dict[str, Any]
+"""One system's runs: {rate key: summary}, plus BURST: [summary of each burst] when it ran any."""
 BURST = "burst"
+DEFAULT_BURSTS = 3
+"""Bursts per system; its capacity is their median (`median_run`)."""
 DEFAULT_REFINE = 1
 """Runs after the ramp, on every system, at a rate between the highest one every system
 sustained and the next (`refine_rate`)."""
@@ -227,8 +231,8 @@ def _take_turns(
     """Every system's ramp over runs[0..max_runs-1] in order, rate by rate in turns (each
     rate on every system still ramping, in `systems` order); then up to opts["refine"] runs
     on every system at `refine_rate` (each over the next part of the stream after the
-    burst's); then (opts["burst"]) every system's burst over runs[max_runs], the same for
-    every system."""
+    bursts'); then opts["bursts"] rounds of bursts, burst i over runs[max_runs + i] on every
+    system in turn."""
     ramps = {name: Ramp(rates, opts["max_runs"], opts["latency_bound"]) for name in systems}
     while True:
         turn = {name: ramp.next_rate() for name, ramp in ramps.items()}
@@ -239,17 +243,24 @@ def _take_turns(
                 items = runs[len(ramps[name].runs)]
                 ramps[name].record(rate, systems[name](items, rate))
     out = {name: ramp.runs for name, ramp in ramps.items()}
-    first = opts["max_runs"] + opts["burst"]  # the refining runs' parts of the stream
+    first = opts["max_runs"] + opts["bursts"]  # the refining runs' parts of the stream
     for i in range(opts.get("refine", 0)):
         rate = refine_rate(out, opts["latency_bound"])
         if rate is None:
             break
         for name, run_at in systems.items():
             out[name][rate_key(rate)] = run_at(runs[first + i], rate)
-    if opts["burst"]:
+    for i in range(opts["bursts"]):
         for name, run_at in systems.items():
-            out[name][BURST] = run_at(runs[opts["max_runs"]], math.inf)
+            out[name].setdefault(BURST, []).append(run_at(runs[opts["max_runs"] + i], math.inf))
     return out
+
+
+def median_run(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median throughput (the lower one of an even count: always a run that
+    happened, so its latencies and token rates belong to it)."""
+    ordered = sorted(summaries, key=lambda s: s["throughput_rps"])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def refine_rate(per_system: Mapping[str, Runs], latency_bound: float) -> float | None:
@@ -372,7 +383,7 @@ def run_serve_bench(
     max_runs: int = DEFAULT_MAX_RUNS,
     warmup: int = 0,
     progress: Progress | None = None,
-    burst: bool = True,
+    bursts: int = DEFAULT_BURSTS,
     dtype: str = "float32",
     client: str = "documents",
     refine: int = DEFAULT_REFINE,
@@ -381,13 +392,14 @@ def run_serve_bench(
     mode, then the peer, all started at once): its first `warmup` requests one by one,
     unmeasured, then runs of `num_requests` Poisson requests at rising rates until the system
     saturates (`Ramp`), the systems taking turns rate by rate, each run the next part of the
-    stream (`split_stream`), caches warm throughout; then, with `burst`, one run of
-    `num_requests` sent at once per system (its throughput is the capacity). Between the
-    two, `refine` runs on every system narrow the highest rate all sustain (`refine_rate`).
+    stream (`split_stream`), caches warm throughout; then `bursts` runs of `num_requests`
+    sent at once per system, in turns (the median one's throughput is the capacity). Between
+    the two, `refine` runs on every system narrow the highest rate all sustain (`refine_rate`).
 
     `start_server` is a factory (a fresh server per mode) or a {mode: base URL} mapping.
-    Reported: per system the maximum throughput it reached (the best of its runs, the burst
-    included; `max_throughput_run` names the run) and its computed prompt tokens/s there;
+    Reported: per system the maximum throughput it reached (the best of its runs, the bursts
+    counted as their median; `max_throughput_run` names the run) and its computed prompt
+    tokens/s there;
     latencies at `common_rate`, the highest rate every system sustained. `ignore_eos` makes every mode
     generate exactly `max_tokens`, so latencies compare prefill work, not answer lengths.
     `client`: how our servers get each request's passages (`trace.CLIENTS`: the documents
@@ -400,19 +412,19 @@ def run_serve_bench(
         raise CachecraftError(f"max_runs must be >= 1, got {max_runs}")
     if peer is not None and peer not in PEERS:
         raise CachecraftError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")
-    if num_requests < 1 or warmup < 0 or refine < 0:
+    if num_requests < 1 or warmup < 0 or refine < 0 or bursts < 0:
         raise CachecraftError(
-            "need requests >= 1, warmup >= 0 and refine >= 0, "
-            f"got {num_requests}, {warmup}, {refine}"
+            "need requests >= 1, warmup >= 0, refine >= 0 and bursts >= 0, "
+            f"got {num_requests}, {warmup}, {refine}, {bursts}"
         )
     if items is None:
         from cachecraft.bench.synthetic import synthetic
 
-        items = synthetic(warmup + (max_runs + burst + refine) * num_requests, seed=seed)
+        items = synthetic(warmup + (max_runs + bursts + refine) * num_requests, seed=seed)
     items = list(items)
     if not items:
         raise CachecraftError("the serving bench needs at least one request")
-    stream = split_stream(items, warmup, num_requests, max_runs + burst + refine)
+    stream = split_stream(items, warmup, num_requests, max_runs + bursts + refine)
     rates = sorted(rates)
     opts = {
         "max_tokens": max_tokens,
@@ -421,7 +433,7 @@ def run_serve_bench(
         "peer_python": peer_python or ".peer-venv/bin/python",
         "max_runs": max_runs,
         "latency_bound": latency_bound,
-        "burst": burst,
+        "bursts": bursts,
         "refine": refine,
         "dtype": dtype,
         "client": client,
@@ -449,7 +461,8 @@ def run_serve_bench(
             "ignore_eos": ignore_eos,
             "latency_bound": latency_bound,
             "max_runs": max_runs,
-            "burst": burst,
+            "burst": bursts > 0,
+            "bursts": bursts,
             "refine": refine,
             "dtype": dtype,
             "client": client,
@@ -458,7 +471,8 @@ def run_serve_bench(
     systems = list(per_mode)
     if peer_info:
         result["peer"] = peer_info
-    bursts = {m: per_mode[m].pop(BURST) for m in systems if BURST in per_mode[m]}
+    each_burst = {m: per_mode[m].pop(BURST) for m in systems if BURST in per_mode[m]}
+    median = {m: median_run(runs) for m, runs in each_burst.items()}
     ran = sorted({float(k) for runs in per_mode.values() for k in runs})
     result["rates"] = ran
     per_rate = {
@@ -475,11 +489,14 @@ def run_serve_bench(
         )
         for m in systems
     }
-    if bursts:
-        result["burst"] = bursts
+    if median:
+        result["burst"] = median
+        result["burst_throughputs_rps"] = {
+            m: [s["throughput_rps"] for s in runs] for m, runs in each_burst.items()
+        }
     best = {
         m: max(
-            [*per_mode[m].items(), *([(BURST, bursts[m])] if m in bursts else [])],
+            [*per_mode[m].items(), *([(BURST, median[m])] if m in median else [])],
             key=lambda kv: kv[1]["throughput_rps"],
         )
         for m in systems

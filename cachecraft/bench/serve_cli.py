@@ -13,6 +13,7 @@ import sys
 
 from cachecraft.bench.own_server import server_process
 from cachecraft.bench.serve_bench import (
+    DEFAULT_BURSTS,
     DEFAULT_MAX_RUNS,
     DEFAULT_MODES,
     DEFAULT_RATES,
@@ -62,10 +63,18 @@ def add_bench_serve_parser(
     )
     parser.add_argument("--requests", type=int, default=16, help="requests per rate and mode")
     parser.add_argument(
+        "--bursts",
+        type=int,
+        default=DEFAULT_BURSTS,
+        help="runs per system, after the ramp, that send a run's requests all at once; its "
+        "capacity is their median (0: none)",
+    )
+    parser.add_argument(
         "--no-burst",
-        dest="burst",
-        action="store_false",
-        help="skip the run that sends a run's requests all at once after the ramp",
+        dest="bursts",
+        action="store_const",
+        const=0,
+        help="the same as --bursts 0",
     )
     parser.add_argument(
         "--refine",
@@ -124,7 +133,7 @@ def add_bench_serve_parser(
 
 def _items(args: argparse.Namespace) -> list:
     """The whole stream: the warm-up, then `requests` for each run the ramp may make."""
-    n = args.warmup + (args.max_runs + args.burst + args.refine) * args.requests
+    n = args.warmup + (args.max_runs + args.bursts + args.refine) * args.requests
     if args.workload == "wiki-qa":
         from cachecraft.bench.wiki_qa import wiki_qa_zipf
 
@@ -167,7 +176,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         max_runs=args.max_runs,
         warmup=args.warmup,
         progress=_print_progress,
-        burst=args.burst,
+        bursts=args.bursts,
         refine=args.refine,
         dtype=args.dtype,
         client=args.client,
@@ -197,7 +206,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     runs = list(result["per_rate"].items())
     if "burst" in result:
-        runs.append(("burst", result["burst"]))
+        runs.append(("burst (median)", result["burst"]))
     for rate, by_mode in runs:
         for mode, s in by_mode.items():
             frac = s["computed_fraction"]
@@ -221,8 +230,9 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         "work_tokens_per_s",
         "sustained_rate",
     )
-    for key in (*keys, "saturated"):
-        console.print(f"{key}: {result[key]}")
+    for key in (*keys, "burst_throughputs_rps", "saturated"):
+        if key in result:
+            console.print(f"{key}: {result[key]}")
     common = result["common_rate"]
     note = "" if result["common_rate_is_sustained"] else " (not sustained by every system)"
     console.print(f"highest rate every system sustains: {common}{note}")
