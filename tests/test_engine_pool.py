@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from page_helpers import resident
 
 from cachecraft.engine.engine import Engine, EngineConfig
 from cachecraft.engine.handle import Failed, Finished
@@ -104,18 +105,8 @@ def test_lazy_zeros_are_zero_aligned_and_writable() -> None:
 
 
 def _resident(t: torch.Tensor) -> list[bool]:
-    """Per page under contiguous t, whether the OS has mapped it (mincore)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
-    end = t.data_ptr() + t.numel() * t.element_size()
-    num_pages = -(-(end - start) // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * num_pages)()
-    rc = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec)
-    assert rc == 0, ctypes.get_errno()
-    return [bool(b & 1) for b in vec]
+    """Per page under contiguous t, whether the OS has mapped it."""
+    return resident(t.data_ptr(), t.numel() * t.element_size())
 
 
 def test_touch_pages_writes_one_zero_byte_in_every_page_of_every_row() -> None:

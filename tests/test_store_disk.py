@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from page_helpers import resident
 from store_helpers import make_variant
 
 from cachecraft.store import codec
@@ -93,21 +94,16 @@ def test_crash_leftovers_are_cleaned_on_reopen(tmp_path: Path) -> None:
 
 def _cached_pages(path: Path) -> int:
     """How many of the file's pages are in the page cache (mincore over a read-only map)."""
-    import ctypes
     import mmap
 
     import numpy as np
 
-    libc = ctypes.CDLL(None, use_errno=True)
     size = path.stat().st_size
-    num_pages = -(-size // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * num_pages)()
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as m:
         view = np.frombuffer(m, dtype=np.uint8)
-        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
+        pages = resident(view.ctypes.data, size)
         del view
-    assert rc == 0, ctypes.get_errno()
-    return sum(b & 1 for b in vec)
+    return sum(pages)
 
 
 def _fs_type(path: Path) -> str:

@@ -465,7 +465,6 @@ def run_serve_bench(
             "ignore_eos": ignore_eos,
             "latency_bound": latency_bound,
             "max_runs": max_runs,
-            "burst": bursts > 0,
             "bursts": bursts,
             "refine": refine,
             "dtype": dtype,

@@ -148,11 +148,15 @@ class KVPool:
         fit = self.max_bytes // max(self.bytes_for(1), 1)
         return min(self.warm_positions, self.max_positions, fit)
 
+    def _unwarmed(self, end: int) -> list[int]:
+        """Free slots whose first `end` positions are not all mapped."""
+        return [slot for slot in self._free if self._touched[slot] < end]
+
     @property
     def num_unwarmed(self) -> int:
         """Free slots `warm_step` has yet to map."""
         end = self._warm_end()
-        return sum(self._touched[slot] < end for slot in self._free) if end > 0 else 0
+        return len(self._unwarmed(end)) if end > 0 else 0
 
     def warm_step(self) -> bool:
         """Map one layer's pages of the lowest free slot whose first `warm_positions`
@@ -171,7 +175,7 @@ class KVPool:
             except (OSError, RuntimeError):
                 self.warm_positions = 0  # the OS refused: no warming, requests still served
                 return False
-        todo = [slot for slot in self._free if self._touched[slot] < end]
+        todo = self._unwarmed(end)
         if not todo:
             return False
         slot = min(todo)
