@@ -21,7 +21,6 @@ from cachecraft.api import LLM, LoadedModel, SamplingParams, make_store
 from cachecraft.request import RagRequest
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
-from cachecraft.store.disk import drop_cached_pages
 
 ONE_TOKEN = SamplingParams(max_tokens=1)
 
@@ -30,7 +29,7 @@ def _drop_page_cache(root: Path) -> None:
     for f in root.rglob("*.safetensors"):
         fd = os.open(f, os.O_RDONLY)
         try:
-            drop_cached_pages(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 

@@ -427,7 +427,7 @@ class DiskTier:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-            drop_cached_pages(fh.fileno())
+            _drop_cached_pages(fh.fileno())
         evicted: list[str] = []
         try:
             with self._write() as db:
@@ -514,7 +514,7 @@ class DiskTier:
             assert self.nbytes <= self.capacity_bytes, "disk tier over capacity"
 
 
-def drop_cached_pages(fd: int) -> None:
+def _drop_cached_pages(fd: int) -> None:
     """Let the kernel drop a just-written file's pages from its page cache. A variant written
     through is still in the memory tier above, so the cached copy only duplicates it until that
     tier evicts it; and filling the page cache costs fresh memory: on a VM whose host backs
