@@ -10,6 +10,9 @@ peer benchmark passes the environment on to its child, less OPENMP_WAIT_VARS).
   PASSIVE alone a worker sleeps right after every operation and the next one pays for waking
   it (a full prefill took 10% longer); a short spin keeps the workers awake between the
   operations of one forward without holding a core for long.
+* `CACHECRAFT_ROW_KERNEL` (read): `0` keeps float32 attention on torch's SDPA instead of our
+  kernel (model/row_kernel.py); for comparisons and as a way out.
+* `CXX` (read): the C++ compiler that builds that kernel (default `g++`, else `c++`).
 * `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` (read): set by the user, they win over
   `tune_allocator`.
 
@@ -30,6 +33,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +58,16 @@ def cache_home() -> Path:
     """`$XDG_CACHE_HOME/cachecraft`, else `~/.cache/cachecraft`."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "cachecraft"
+
+
+def row_kernel_enabled() -> bool:
+    """Whether float32 CPU attention may use our kernel (`CACHECRAFT_ROW_KERNEL` is not 0)."""
+    return os.environ.get("CACHECRAFT_ROW_KERNEL", "1").strip() != "0"
+
+
+def cxx_compiler() -> str | None:
+    """`$CXX`, else `g++` or `c++` on the PATH; None when there is none."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
 def child_env(python_path: str) -> dict[str, str]:

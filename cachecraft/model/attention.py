@@ -1,8 +1,11 @@
 """Attention of computed rows over a sequence's K/V with an exact mask over absolute positions.
 
 A query at position p sees every key at position <= p (and > p - window with a sliding
-window). Two paths: SDPA (fast), and an explicit block-wise path that also returns how much
-attention mass each row puts on each span; both give the same output.
+window). `causal_attention` runs float32 on a CPU through our kernel where it was built
+(model/row_kernel.py: each row's limit comes from its position), else through torch's SDPA
+with plain causal calls or blocks of rows under additive masks (`plan_rows`); both can return
+how much attention mass each row puts on each span in the same pass. `row_span_mass` is the
+explicit reference for that mass.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cachecraft.model.row_kernel import VALUE_WIDTH, RowKernel
 
 
 def _mask(q_pos: torch.Tensor, ctx: int, window: int | None) -> torch.Tensor:
@@ -147,11 +152,13 @@ def causal_attention(
     onehot: torch.Tensor | None = None,
     plan: RowPlan | None = None,
     out: torch.Tensor | None = None,
+    kernel: RowKernel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [H, n, D] at sorted positions q_pos [n]; k, v [Hkv, ctx, D] with ctx = q_pos[-1] + 1.
-    `plan`: `plan_rows` of the same positions (built here when None). `out` [n, H, D]: where
-    the output goes (e.g. the rows' slice of the layer's attention output, so no copy of it
-    follows; allocated when None).
+    `plan`: `plan_rows` of the same positions (built here when None; unused with a kernel).
+    `out` [n, H, D]: where the output goes (e.g. the rows' slice of the layer's attention
+    output, so no copy of it follows; allocated when None). `kernel`: `load_row_kernel()`'s,
+    for float32 operands on the CPU (SDPA when None).
 
     Returns (`out` viewed as [H, n, D], mass): with onehot [>= ctx, S] (see `span_onehot`),
     mass [n, S] is each row's head-averaged attention probability on each span,
@@ -159,12 +166,14 @@ def causal_attention(
     is None.
     """
     num_heads, n, head_dim = q.shape
+    if out is None:
+        out = q.new_empty((n, num_heads, head_dim))
+    if kernel is not None:
+        return _kernel_attention(kernel, q, k, v, q_pos, window, onehot, out)
     ctx = k.shape[1]
     scale = head_dim**-0.5
     if plan is None:
         plan = plan_rows(q_pos, window, q.dtype)
-    if out is None:
-        out = q.new_empty((n, num_heads, head_dim))
     num_spans = 0
     if onehot is not None:
         num_spans = onehot.shape[1]
@@ -192,6 +201,44 @@ def causal_attention(
     mass = None
     if masses:
         mass = masses[0] if len(masses) == 1 else torch.cat(masses)
+    return out.transpose(0, 1), mass
+
+
+def _kernel_attention(
+    kernel: RowKernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: int | None,
+    onehot: torch.Tensor | None,
+    out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`causal_attention` through our kernel. It takes V wider than Q and K, so the fused
+    statistics widen V alone: the S span-indicator columns after V's D, zeros up to a multiple
+    of VALUE_WIDTH (as the kernel's vectors want; also for a D that is not one). K goes in as
+    it is stored (the kernel copies it transposed)."""
+    num_heads, n, head_dim = q.shape
+    ctx = k.shape[1]
+    num_spans = 0 if onehot is None else onehot.shape[1]
+    width = -(-(head_dim + num_spans) // VALUE_WIDTH) * VALUE_WIDTH
+    res = out
+    if width != head_dim:
+        wide = v.new_empty((v.shape[0], ctx, width))
+        wide[..., :head_dim] = v
+        if onehot is not None:
+            wide[..., head_dim : head_dim + num_spans] = onehot[:ctx].to(v.dtype)
+        wide[..., head_dim + num_spans :] = 0
+        v = wide
+        res = q.new_empty((n, num_heads, width))
+    elif out.stride(-1) != 1:
+        res = q.new_empty((n, num_heads, head_dim))
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    kernel(q, k, v, q_pos.long().contiguous(), window or 0, head_dim**-0.5, res)
+    if res is not out:
+        out.copy_(res[..., :head_dim])
+    mass = res[..., head_dim : head_dim + num_spans].mean(1) if num_spans else None
     return out.transpose(0, 1), mass
 
 

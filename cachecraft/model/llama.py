@@ -30,6 +30,7 @@ from cachecraft.model.decode import DecodePlan, attend_decode, plan_decode
 from cachecraft.model.linear import Linear, can_pack, packed_is_faster
 from cachecraft.model.mlp import Mlp
 from cachecraft.model.rope import Rope
+from cachecraft.model.row_kernel import load_row_kernel
 from cachecraft.model.step import DecodeBatch, LayerView, SeqResult, SeqWork, StepOutput
 
 PLAIN_COPY_MAX_BYTES = 1 << 30
@@ -194,14 +195,19 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         pack: bool = True,
         row_align: int | None = None,
+        row_kernel: bool = True,
     ) -> None:
         """pack: pack the linear weights for oneDNN where it runs (model/linear.py).
         row_align: products run on row counts rounded up to a multiple of it (None:
-        ROW_ALIGN_BF16 for packed bf16, else 1, i.e. as they are)."""
+        ROW_ALIGN_BF16 for packed bf16, else 1, i.e. as they are).
+        row_kernel: float32 attention on a CPU through our kernel where it can be built
+        (model/row_kernel.py); torch's SDPA otherwise or when False."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
         self.rope = Rope(hf_config, arch.head_dim, self.device)
+        use_kernel = row_kernel and dtype == torch.float32 and self.device.type == "cpu"
+        self.row_kernel = load_row_kernel() if use_kernel else None
 
         def get(name: str, norm: str | None = None) -> torch.Tensor:
             """The weight `name`; with `norm`, times that RMSNorm's weight per input column
@@ -470,8 +476,10 @@ class LlamaModel:
             kv_k[:, pos] = k.to(kv_k.dtype)
             kv_v[:, pos] = v.to(kv_v.dtype)
         keys = kv_k[:, : last + 1].to(q.dtype)
-        if keys.stride(-1) != 1:  # a pool slot's keys are stored transposed: one copy here
-            keys = keys.contiguous()  # (~0.1 ms per layer at 800 positions) beats SDPA on them
+        if keys.stride(-1) != 1 and self.row_kernel is None:
+            # a pool slot's keys are stored transposed: one copy here (~0.1 ms per layer at
+            # 800 positions) beats SDPA on them; the kernel copies them transposed anyway
+            keys = keys.contiguous()
         values = kv_v[:, : last + 1].to(q.dtype)
         window = self.arch.sliding_window
         wants_stats = (
@@ -489,8 +497,9 @@ class LlamaModel:
             s.add_key_mass(key_mass[: meter.start])
             mass = None
         else:
-            plan = s.plan(window, q.dtype)
-            _, mass = causal_attention(q, keys, values, pos, window, onehot, plan, out)
+            kernel = self.row_kernel
+            plan = None if kernel is not None else s.plan(window, q.dtype)
+            _, mass = causal_attention(q, keys, values, pos, window, onehot, plan, out, kernel)
         if mass is not None:
             sel = s.stats_rows
             self._collect(s, s.index[sel], layer_idx, mass[sel].float())
