@@ -183,6 +183,17 @@ class _Rows:
         return self.key_total / self.key_layers
 
 
+def _put_rows(cache: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
+    """cache[:, pos] = x at scattered positions pos [n]; cache [Hkv, capacity, D] may view
+    keys stored transposed ([Hkv, D, capacity] memory, a pool slot's): the rows then go in as
+    columns of that memory, from a transposed copy of x (index_put through the transposed
+    view took 2.5x as long: 500 rows, 266 against 100 us per layer on the 2-core EPYC)."""
+    if cache.stride(1) == 1 and cache.stride(2) != 1:
+        cache.transpose(1, 2)[:, :, pos] = x.transpose(1, 2).to(cache.dtype).contiguous()
+    else:
+        cache[:, pos] = x.to(cache.dtype)
+
+
 class LlamaModel:
     """Weights and forward of one Llama-family model on one device and dtype."""
 
@@ -473,8 +484,8 @@ class LlamaModel:
             kv_k[:, first : last + 1] = k.to(kv_k.dtype)
             kv_v[:, first : last + 1] = v.to(kv_v.dtype)
         else:
-            kv_k[:, pos] = k.to(kv_k.dtype)
-            kv_v[:, pos] = v.to(kv_v.dtype)
+            _put_rows(kv_k, pos, k)
+            _put_rows(kv_v, pos, v)
         keys = kv_k[:, : last + 1].to(q.dtype)
         if keys.stride(-1) != 1 and self.row_kernel is None:
             # a pool slot's keys are stored transposed: one copy here (~0.1 ms per layer at
