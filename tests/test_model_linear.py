@@ -24,6 +24,7 @@ from cachecraft.model.llama import LlamaModel
 from cachecraft.model.loader import LoadedModel
 from cachecraft.model.mlp import FUSED_MIN_ROWS, ROW_BLOCK, Mlp
 from cachecraft.model.step import SeqWork
+from tests.model_helpers import greedy_run
 
 needs_onednn = pytest.mark.skipif(
     not can_pack(torch.float32, torch.device("cpu")), reason="no oneDNN in this torch build"
@@ -126,19 +127,9 @@ def test_packed_model_answers_as_plain_model(tiny: LoadedModel, tiny_dir: Path) 
     assert packed.layers[0].qkv.weight is not None  # small: a plain copy for one-row decodes
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 1000, (120,), generator=g)
-    outs = []
-    for model in (plain, packed):
-        kv = KVCache(model.arch, 140, torch.float32, "cpu")
-        res = model.forward_step([SeqWork(kv, ids, torch.arange(120), logits_for="all")])[0]
-        tokens, logits = [int(res.logits[-1].argmax())], [res.logits]
-        for _ in range(12):
-            pos = torch.tensor([kv.length])
-            step = model.forward_step([SeqWork(kv, torch.tensor(tokens[-1:]), pos)])[0]
-            tokens.append(int(step.logits[0].argmax()))
-            logits.append(step.logits)
-        outs.append((tokens, torch.cat(logits)))
-    assert outs[0][0] == outs[1][0]
-    assert (outs[0][1] - outs[1][1]).abs().max() < 1e-4
+    (tokens, logits), (tokens_p, logits_p) = (greedy_run(m, ids, 12) for m in (plain, packed))
+    assert tokens == tokens_p
+    assert (logits - logits_p).abs().max() < 1e-4
 
 
 @needs_onednn

@@ -19,6 +19,7 @@ from cachecraft.model.kv import KVCache
 from cachecraft.model.llama import LlamaModel
 from cachecraft.model.loader import LoadedModel
 from cachecraft.model.step import SeqWork
+from tests.model_helpers import greedy_run
 from tests.test_model_attention import CASES, _brute, _operands
 
 
@@ -116,19 +117,9 @@ def test_model_with_the_kernel_answers_as_with_sdpa(
     models = [LlamaModel(tiny.arch, tiny.hf_config, state, row_kernel=use) for use in (False, True)]
     assert models[0].row_kernel is None and models[1].row_kernel is kernel
     ids = torch.randint(3, 1000, (150,), generator=torch.Generator().manual_seed(8))
-    outs = []
-    for model in models:
-        kv = KVCache(model.arch, 170, torch.float32, "cpu")
-        res = model.forward_step([SeqWork(kv, ids, torch.arange(150), logits_for="all")])[0]
-        tokens, logits = [int(res.logits[-1].argmax())], [res.logits]
-        for _ in range(10):
-            pos = torch.tensor([kv.length])
-            step = model.forward_step([SeqWork(kv, torch.tensor(tokens[-1:]), pos)])[0]
-            tokens.append(int(step.logits[0].argmax()))
-            logits.append(step.logits)
-        outs.append((tokens, torch.cat(logits)))
-    assert outs[0][0] == outs[1][0]
-    assert (outs[0][1] - outs[1][1]).abs().max() < 1e-4
+    (tokens, logits), (tokens_k, logits_k) = (greedy_run(m, ids, 10) for m in models)
+    assert tokens == tokens_k
+    assert (logits - logits_k).abs().max() < 1e-4
 
 
 def test_switched_off_the_model_runs_on_sdpa(
