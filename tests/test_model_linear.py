@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from model_helpers import greedy_run
 from safetensors.torch import load_file
 
 import cachecraft.model.llama as llama
@@ -24,7 +25,6 @@ from cachecraft.model.llama import LlamaModel
 from cachecraft.model.loader import LoadedModel
 from cachecraft.model.mlp import FUSED_MIN_ROWS, ROW_BLOCK, Mlp
 from cachecraft.model.step import SeqWork
-from tests.model_helpers import greedy_run
 
 needs_onednn = pytest.mark.skipif(
     not can_pack(torch.float32, torch.device("cpu")), reason="no oneDNN in this torch build"

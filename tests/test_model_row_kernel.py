@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_helpers import greedy_run
 from safetensors.torch import load_file
+from test_model_attention import CASES, _brute, _operands
 
 from cachecraft.env import cxx_compiler
 from cachecraft.model import row_kernel
@@ -19,8 +21,6 @@ from cachecraft.model.kv import KVCache
 from cachecraft.model.llama import LlamaModel
 from cachecraft.model.loader import LoadedModel
 from cachecraft.model.step import SeqWork
-from tests.model_helpers import greedy_run
-from tests.test_model_attention import CASES, _brute, _operands
 
 
 @pytest.fixture
