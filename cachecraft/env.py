@@ -10,8 +10,8 @@ peer benchmark passes the environment on to its child, less OPENMP_WAIT_VARS).
   PASSIVE alone a worker sleeps right after every operation and the next one pays for waking
   it (a full prefill took 10% longer); a short spin keeps the workers awake between the
   operations of one forward without holding a core for long.
-* `CACHECRAFT_ROW_KERNEL` (read): `0` keeps float32 attention on torch's SDPA instead of our
-  kernel (model/row_kernel.py); for comparisons and as a way out.
+* `CACHECRAFT_ROW_KERNEL` (read): `0` (or false, no, off) keeps float32 attention on torch's
+  SDPA instead of our kernel (model/row_kernel.py); for comparisons and as a way out.
 * `CXX` (read): the C++ compiler that builds that kernel (default `g++`, else `c++`).
 * `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` (read): set by the user, they win over
   `tune_allocator`.
@@ -61,8 +61,10 @@ def cache_home() -> Path:
 
 
 def row_kernel_enabled() -> bool:
-    """Whether float32 CPU attention may use our kernel (`CACHECRAFT_ROW_KERNEL` is not 0)."""
-    return os.environ.get("CACHECRAFT_ROW_KERNEL", "1").strip() != "0"
+    """Whether float32 CPU attention may use our kernel: `CACHECRAFT_ROW_KERNEL` is not one of
+    0, false, no, off (any case)."""
+    value = os.environ.get("CACHECRAFT_ROW_KERNEL", "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
 
 
 def cxx_compiler() -> str | None:

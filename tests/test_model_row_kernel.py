@@ -122,10 +122,15 @@ def test_model_with_the_kernel_answers_as_with_sdpa(
     assert (logits - logits_k).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("value", ["0", "off", "False"])
 def test_switched_off_the_model_runs_on_sdpa(
-    fresh_loader: None, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel, tiny_dir: Path
+    fresh_loader: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny: LoadedModel,
+    tiny_dir: Path,
+    value: str,
 ) -> None:
-    monkeypatch.setenv("CACHECRAFT_ROW_KERNEL", "0")
+    monkeypatch.setenv("CACHECRAFT_ROW_KERNEL", value)
     assert row_kernel.load_row_kernel() is None
     state = load_file(str(tiny_dir / "model.safetensors"))
     assert LlamaModel(tiny.arch, tiny.hf_config, state).row_kernel is None

@@ -10,7 +10,8 @@ group, keeps scores for one tile of keys at a time, and takes each row's own cau
 from its position, so scattered rows of a partial prefill need no mask tensor.
 
 The build needs a C++ compiler (`$CXX`, else `g++`, else `c++`); it takes ~6 s once per
-machine, torch version and source, and lands in `cache_home()/kernels` (env.py). Where it
+machine, torch version and source (~0.1 MB; earlier builds are left in place, as another
+checkout may use them), and lands in `cache_home()/kernels` (env.py). Where it
 cannot be built or loaded, or `CACHECRAFT_ROW_KERNEL=0` (env.py), `load_row_kernel` returns
 None and attention runs on torch's SDPA (model/attention.py), with the same results to float
 rounding.
@@ -39,6 +40,9 @@ SOURCE = Path(__file__).parent / "csrc" / "row_attention.cpp"
 
 VALUE_WIDTH = 16
 """The kernel's V (and output) width must be a multiple of this (one AVX-512 vector)."""
+
+BUILD_TIMEOUT_S = 300
+"""A compiler that has not finished by then is given up on (SDPA then)."""
 
 RowKernel = Callable[..., None]
 """`kernel(q, k, v, q_pos, window, scale, out)`: see csrc/row_attention.cpp."""
@@ -104,13 +108,12 @@ def build(compiler: str) -> Path:
     log.info("building the row-attention kernel (once per machine and torch; ~6 s)")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        done = subprocess.run(_command(compiler, partial), capture_output=True, text=True)
+        done = subprocess.run(
+            _command(compiler, partial), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-2000:] or f"exit status {done.returncode}")
         os.replace(partial, target)
-    for stale in target.parent.glob("row_attention-*.so"):  # builds of other sources or torches
-        if stale != target:
-            stale.unlink(missing_ok=True)  # a process that loaded one keeps its mapping
     return target
 
 
@@ -129,6 +132,6 @@ def load_row_kernel() -> RowKernel | None:
         if not hasattr(torch.ops.cachecraft, "row_attention"):  # one registration per process
             torch.ops.load_library(str(path))
         return torch.ops.cachecraft.row_attention
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("row-attention kernel unavailable, attention runs on torch's SDPA: %s", e)
         return None
