@@ -273,7 +273,8 @@ void row_attention(
   kt.narrow(2, 0, end).copy_(k.narrow(1, 0, end).transpose(1, 2));
   Args A{q.data_ptr<float>(), kt.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
          pos, q.stride(0), q.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-         kt_n, n, end, q.size(2), v.size(2), q.size(0) / k.size(0), window, static_cast<float>(scale)};
+         kt_n, n, end, q.size(2), v.size(2), q.size(0) / k.size(0), window,
+         static_cast<float>(scale)};
   // Work items (KV head, row block), dealt to threads by cost (rows x keys, largest first) so
   // that each thread's list costs about the same.
   struct Item { int64_t g, a, b; double cost; };
@@ -284,8 +285,10 @@ void row_attention(
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos[a] - window + 1) : 0;
       items.push_back({g, a, b, double(b - a) * double(pos[b - 1] + 1 - first + KEYS)});
     }
-  std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  std::sort(items.begin(), items.end(),
+            [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   std::vector<std::vector<Item>> lists(threads);
   std::vector<double> load_of(threads, 0.0);
   for (const Item& it : items) {
@@ -302,7 +305,9 @@ void row_attention(
 }  // namespace
 
 TORCH_LIBRARY(cachecraft, m) {
-  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, int window, float scale, Tensor(a!) out) -> ()");
+  m.def(
+      "row_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, int window, float scale, "
+      "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cachecraft, CPU, m) {
