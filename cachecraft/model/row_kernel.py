@@ -26,7 +26,6 @@ import os
 import platform
 import subprocess
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,19 +117,10 @@ def build(compiler: str) -> Path:
     return target
 
 
-_LOADING = threading.Lock()
-"""Models made on two threads at once load the library once (a second registration fails)."""
-
-
+@functools.cache
 def load_row_kernel() -> RowKernel | None:
     """The kernel, built and loaded once per process; None (attention runs on SDPA) where it
     is switched off, no compiler is found, or the build or load fails (logged once)."""
-    with _LOADING:
-        return _load()
-
-
-@functools.cache
-def _load() -> RowKernel | None:
     if not row_kernel_enabled():
         return None
     compiler = cxx_compiler()
