@@ -69,11 +69,20 @@ def _widen(
     kw = k.new_empty((num_kv, ctx, width))
     kw[..., :head_dim] = k
     kw[..., head_dim:] = 0
-    vw = v.new_empty((num_kv, ctx, width))
-    vw[..., :head_dim] = v
-    vw[..., head_dim : head_dim + num_spans] = onehot.to(v.dtype)
-    vw[..., head_dim + num_spans :] = 0
+    vw = _wide_values(v, onehot, width)
     return qw, kw, vw
+
+
+def _wide_values(v: torch.Tensor, onehot: torch.Tensor | None, width: int) -> torch.Tensor:
+    """V [Hkv, ctx, D] -> [Hkv, ctx, width]: V's columns, then the span indicators of onehot
+    [ctx, S] (none when None), then zeros, written once."""
+    head_dim, num_spans = v.shape[-1], 0 if onehot is None else onehot.shape[1]
+    wide = v.new_empty((*v.shape[:-1], width))
+    wide[..., :head_dim] = v
+    if onehot is not None:
+        wide[..., head_dim : head_dim + num_spans] = onehot.to(v.dtype)
+    wide[..., head_dim + num_spans :] = 0
+    return wide
 
 
 ROW_BLOCK = 64
@@ -224,12 +233,7 @@ def _kernel_attention(
     width = -(-(head_dim + num_spans) // VALUE_WIDTH) * VALUE_WIDTH
     res = out
     if width != head_dim:
-        wide = v.new_empty((v.shape[0], ctx, width))
-        wide[..., :head_dim] = v
-        if onehot is not None:
-            wide[..., head_dim : head_dim + num_spans] = onehot[:ctx].to(v.dtype)
-        wide[..., head_dim + num_spans :] = 0
-        v = wide
+        v = _wide_values(v, None if onehot is None else onehot[:ctx], width)
         res = q.new_empty((n, num_heads, width))
     elif out.stride(-1) != 1:
         res = q.new_empty((n, num_heads, head_dim))
