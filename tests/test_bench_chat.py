@@ -3,9 +3,9 @@ as the server turns a chat into a RagRequest; reuse modes compute only the newes
 
 from __future__ import annotations
 
-from cachecraft.bench.chat import chat_workload
-from cachecraft.bench.chat_bench import run_chat_bench
 from cachecraft.model.loader import LoadedModel
+from cachecraft_bench.chat import chat_workload
+from cachecraft_bench.chat_bench import run_chat_bench
 
 LONG = "The Nile flows north through Egypt into the Mediterranean. " * 10  # > 512 characters
 CHATS = [

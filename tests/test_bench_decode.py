@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from cachecraft.bench.decode_bench import run_decode_bench
 from cachecraft.errors import CachecraftError
 from cachecraft.model.loader import LoadedModel
+from cachecraft_bench.decode_bench import run_decode_bench
 
 
 def test_decode_bench_times_steps_of_each_batch_size(tiny: LoadedModel) -> None:

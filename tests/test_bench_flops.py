@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cachecraft.bench.flops import (
+from cachecraft_bench.flops import (
     ModelShape,
     flops_fraction,
     full_prefill_flops,

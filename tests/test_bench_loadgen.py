@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 from fake_openai import CHUNK_DELAY_S, NUM_CHUNKS, serve_fake
 
-from cachecraft.bench.loadgen import RequestResult, apply_usage, replay, summarize
-from cachecraft.bench.trace import TraceRequest
+from cachecraft_bench.loadgen import RequestResult, apply_usage, replay, summarize
+from cachecraft_bench.trace import TraceRequest
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cachecraft.bench.metrics import (
+from cachecraft_bench.metrics import (
     bootstrap_ci,
     exact_match,
     jaccard,

@@ -11,7 +11,7 @@ import sys
 # tests free meanwhile (a server's, a store writer's) offsets what the run touches.
 MEASURE = """
 import json, torch
-from cachecraft.bench.model_bench import _peak_since
+from cachecraft_bench.model_bench import _peak_since
 big = torch.ones(96 << 18)  # 96 MiB touched, then freed: an earlier, higher peak
 del big
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachecraft.bench.own_server import server_process
 from cachecraft.errors import CachecraftError
+from cachecraft_bench.own_server import server_process
 
 
 def test_a_child_server_answers_then_stops(tiny_dir: Path) -> None:

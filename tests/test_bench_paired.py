@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from cachecraft.bench.merge import merge_results
-from cachecraft.bench.paired import kl_removed, paired_difference, paired_summary
-from cachecraft.bench.report import write_report
-from cachecraft.bench.report_cli import load_results, refresh
 from cachecraft.errors import BadRequestError
+from cachecraft_bench.merge import merge_results
+from cachecraft_bench.paired import kl_removed, paired_difference, paired_summary
+from cachecraft_bench.report import write_report
+from cachecraft_bench.report_cli import load_results, refresh
 
 
 def _records(tf_kl: list[float], rouge: float = 1.0) -> list[dict]:

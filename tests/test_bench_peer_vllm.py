@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cachecraft.bench.peer_vllm import PeerError, VllmServer, parse_prefix_cache_stats, vllm_env
+from cachecraft_bench.peer_vllm import PeerError, VllmServer, parse_prefix_cache_stats, vllm_env
 
 # the shape vLLM 0.32 writes (two engines here, to check label sets are summed)
 METRICS = """\
@@ -124,7 +124,7 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 
 BENCH = """\
 import sys, time
-from cachecraft.bench.peer_vllm import VllmServer
+from cachecraft_bench.peer_vllm import VllmServer
 from cachecraft.cli import stop_on_sigterm
 stop_on_sigterm()
 with VllmServer(sys.argv[1], python=sys.argv[2], startup_timeout_s=60):

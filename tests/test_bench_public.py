@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from cachecraft.api import LLM, LoadedModel, SamplingParams, memory_config
-from cachecraft.bench.model_bench import MISS_MODES, miss_ttft
-from cachecraft.bench.tier_ttft import run_tier_ttft
 from cachecraft.config import ReuseConfig
 from cachecraft.errors import BadRequestError
 from cachecraft.request import Chunk, RagRequest
+from cachecraft_bench.model_bench import MISS_MODES, miss_ttft
+from cachecraft_bench.tier_ttft import run_tier_ttft
 
 REQUEST = RagRequest(
     "Which river flows north?",

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from cachecraft.bench.calibrate import calibrate, pick_alpha
-from cachecraft.bench.item import WorkloadItem, estimate_tokens
-from cachecraft.bench.quality import ABLATIONS, build_arms, run_quality
-from cachecraft.bench.quality_cli import add_bench_quality_parser, add_calibrate_parser
-from cachecraft.bench.quality_summary import FLAT_KEYS, flat_summary
-from cachecraft.bench.workloads import build_workload, write_workload_file
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.config_file import load_reuse_overrides, read_config, write_config
 from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import Chunk, RagRequest
+from cachecraft_bench.calibrate import calibrate, pick_alpha
+from cachecraft_bench.item import WorkloadItem, estimate_tokens
+from cachecraft_bench.quality import ABLATIONS, build_arms, run_quality
+from cachecraft_bench.quality_cli import add_bench_quality_parser, add_calibrate_parser
+from cachecraft_bench.quality_summary import FLAT_KEYS, flat_summary
+from cachecraft_bench.workloads import build_workload, write_workload_file
 
 ISSUE_KEYS = (
     "computed_fraction",
@@ -316,7 +316,7 @@ def test_cli_json_out_and_errors(tiny_dir: Path, tmp_path: Path, capsys) -> None
 def test_arm_flag_adds_an_arm_with_its_own_reuse_options(
     tiny_dir: Path, tmp_path: Path, capsys
 ) -> None:
-    from cachecraft.bench.quality_cli import parse_arm
+    from cachecraft_bench.quality_cli import parse_arm
 
     base = ReuseConfig(alpha=0.3)
     name, cfg = parse_arm("cachecraft-x:probe_max_cost=none, probe_trim=true,alpha=0.7", base)
@@ -350,7 +350,7 @@ def test_arm_flag_adds_an_arm_with_its_own_reuse_options(
 
 
 def test_chunk_tokens_flag_sets_synthetic_chunk_lengths() -> None:
-    from cachecraft.bench.quality_cli import load_items
+    from cachecraft_bench.quality_cli import load_items
 
     parser = argparse.ArgumentParser()
     add_bench_quality_parser(parser.add_subparsers())
@@ -377,7 +377,7 @@ def test_chunk_tokens_flag_sets_synthetic_chunk_lengths() -> None:
 
 
 def test_shared_warmup_gives_every_arm_the_same_warm_store(tiny: LoadedModel) -> None:
-    from cachecraft.bench.quality import build_arms, run_arms
+    from cachecraft_bench.quality import build_arms, run_arms
 
     items = _items()
     arms = build_arms(["naive", "cachecraft"])
@@ -389,7 +389,7 @@ def test_shared_warmup_gives_every_arm_the_same_warm_store(tiny: LoadedModel) ->
 
 
 def test_shared_warmup_measures_each_arms_layers(tiny: LoadedModel) -> None:
-    from cachecraft.bench.quality import build_arms, run_arms
+    from cachecraft_bench.quality import build_arms, run_arms
 
     arms = build_arms(["cachecraft", "cachecraft-stats-all"], match_budget=False)
     out = run_arms(tiny, _items(), arms, warmup=2, max_tokens=2, progress=False, shared_warmup=True)
@@ -400,8 +400,8 @@ def test_shared_warmup_measures_each_arms_layers(tiny: LoadedModel) -> None:
 
 
 def test_int8_disk_store_changes_reuse_fidelity(tiny: LoadedModel, tmp_path: Path) -> None:
-    from cachecraft.bench.quality import build_arms, run_arms
     from cachecraft.store.config import StoreConfig
+    from cachecraft_bench.quality import build_arms, run_arms
 
     items, arms = _items(), build_arms(["naive"])
     int8 = StoreConfig(cache_dir=str(tmp_path), memory_bytes=0, int8=True, doorkeeper_threshold=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from cachecraft.bench.report import format_cell, write_report
+from cachecraft_bench.report import format_cell, write_report
 
 RESULTS = {
     "config": {"model": "tiny", "k": 5},

@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 from fake_openai import MODE_COMPUTED, serve_fake
 
-from cachecraft.bench import serve_bench
-from cachecraft.bench.item import WorkloadItem
-from cachecraft.bench.serve_bench import Ramp, run_serve_bench, sustained_rate
-from cachecraft.bench.serve_cli import add_bench_serve_parser, main_serve_bench
 from cachecraft.errors import CachecraftError
 from cachecraft.model.loader import resolve_model_dir
 from cachecraft.request import Chunk, RagRequest
+from cachecraft_bench import serve_bench
+from cachecraft_bench.item import WorkloadItem
+from cachecraft_bench.serve_bench import Ramp, run_serve_bench, sustained_rate
+from cachecraft_bench.serve_cli import add_bench_serve_parser, main_serve_bench
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from cachecraft.api import chat_request
-from cachecraft.bench.item import WorkloadItem
-from cachecraft.bench.trace import (
+from cachecraft.errors import BadRequestError
+from cachecraft.model.loader import resolve_model_dir
+from cachecraft.request import Chunk, RagRequest
+from cachecraft.reuse.layout import build_layout
+from cachecraft_bench.item import WorkloadItem
+from cachecraft_bench.trace import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     as_served,
@@ -17,10 +21,6 @@ from cachecraft.bench.trace import (
     rag_trace,
     vllm_trace,
 )
-from cachecraft.errors import BadRequestError
-from cachecraft.model.loader import resolve_model_dir
-from cachecraft.request import Chunk, RagRequest
-from cachecraft.reuse.layout import build_layout
 
 
 @pytest.fixture(scope="module")

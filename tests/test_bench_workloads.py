@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from cachecraft.bench.item import estimate_tokens, split_sentences
-from cachecraft.bench.sources import fanout_questions, flatten_answer, iter_sharegpt
-from cachecraft.bench.workloads import (
+from cachecraft.errors import BadRequestError
+from cachecraft.request import Chunk, RagRequest
+from cachecraft_bench.item import estimate_tokens, split_sentences
+from cachecraft_bench.sources import fanout_questions, flatten_answer, iter_sharegpt
+from cachecraft_bench.workloads import (
     WorkloadItem,
     build_workload,
     chunk_popularity,
@@ -19,8 +21,6 @@ from cachecraft.bench.workloads import (
     wiki_qa,
     write_workload_file,
 )
-from cachecraft.errors import BadRequestError
-from cachecraft.request import Chunk, RagRequest
 
 SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "wiki_qa_sample.jsonl"
 
@@ -177,7 +177,7 @@ def test_build_workload_dispatch_and_errors(tmp_path):
 def test_wiki_qa_zipf_repeats_popular_questions_with_reordered_passages():
     from collections import Counter
 
-    from cachecraft.bench.wiki_qa import wiki_qa_zipf
+    from cachecraft_bench.wiki_qa import wiki_qa_zipf
 
     items = wiki_qa_zipf(30, seed=0, zipf_s=1.2, num_questions=10)
     counts = Counter(it.request.question for it in items)
@@ -192,7 +192,7 @@ def test_wiki_qa_zipf_repeats_popular_questions_with_reordered_passages():
 
 
 def test_shared_prefix_requests_share_long_beginnings_and_nothing_else():
-    from cachecraft.bench.shared_prefix import shared_prefix
+    from cachecraft_bench.shared_prefix import shared_prefix
 
     items = shared_prefix(12, seed=3, num_prefixes=2, prefix_tokens=300)
     assert items == shared_prefix(12, seed=3, num_prefixes=2, prefix_tokens=300)

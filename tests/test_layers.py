@@ -1,6 +1,7 @@
 """The import structure docs/architecture.md describes: no import cycle between modules, no
-package imports one from a higher layer, and `bench` imports only public modules (imports inside
-functions and under TYPE_CHECKING count too)."""
+package imports one from a higher layer, the product never imports the lab, and the lab
+(`cachecraft_bench`) imports only the product's public modules (imports inside functions and
+under TYPE_CHECKING count too)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import ast
 from pathlib import Path
 
 import cachecraft
+import cachecraft_bench
 
 ROOT = Path(cachecraft.__file__).parent
+LAB = Path(cachecraft_bench.__file__).parent
 LAYERS = [
     {"errors", "env", "logs", "config", "config_file", "request"},
     {"model", "store"},
@@ -18,8 +21,8 @@ LAYERS = [
     {"llm"},
     {"server"},
     {"api"},
-    {"bench"},
     {"cli", "cachecraft"},
+    {"cachecraft_bench"},
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 PUBLIC = {
@@ -40,8 +43,9 @@ module is internal, and what outsiders need from one is re-exported by cachecraf
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    for path in [*ROOT.rglob("*.py"), *LAB.rglob("*.py")]:
+        root = ROOT if path.is_relative_to(ROOT) else LAB
+        parts = path.relative_to(root.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
@@ -64,6 +68,8 @@ def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
 
 def _package(module: str) -> str:
     parts = module.split(".")
+    if parts[0] == "cachecraft_bench":
+        return "cachecraft_bench"
     return parts[1] if len(parts) > 1 else "cachecraft"
 
 
@@ -82,18 +88,28 @@ def test_no_import_from_a_higher_layer() -> None:
     assert upward == []
 
 
-def test_bench_imports_only_public_modules() -> None:
+def test_lab_imports_only_public_modules() -> None:
     """The benchmarks measure what a user can run: they reach the engine, the model and the
     store through the public surface, never through an internal module."""
     edges = _edges(_modules())
     internal = sorted(
         f"{m} -> {t}"
         for m, targets in edges.items()
-        if _package(m) == "bench"
+        if _package(m) == "cachecraft_bench"
         for t in targets
-        if _package(t) != "bench" and t not in PUBLIC
+        if _package(t) != "cachecraft_bench" and t not in PUBLIC
     )
     assert internal == []
+
+
+def test_the_product_never_imports_the_lab() -> None:
+    edges = _edges(_modules())
+    assert not any(
+        _package(t) == "cachecraft_bench"
+        for m, targets in edges.items()
+        if _package(m) != "cachecraft_bench"
+        for t in targets
+    )
 
 
 def test_the_public_modules_exist() -> None:

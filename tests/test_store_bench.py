@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cachecraft.bench.store_bench import (
+from cachecraft_bench.store_bench import (
     TraceConfig,
     add_bench_store_parser,
     make_trace,

@@ -1,7 +1,8 @@
 """Find and load a model: the bundled SmolLM2 GGUF, an HF safetensors directory or a GGUF file.
 
-A GGUF file is dequantized by transformers once and kept as a plain HF directory under the
-conversion cache (that also gives vLLM a model directory it can read). Returns a LoadedModel
+A GGUF file is dequantized once (transformers' GGUF reader, names mapped through a weightless
+model: no `accelerate`) and kept as a plain HF directory under the conversion cache (that also
+gives vLLM a model directory it can read). Returns a LoadedModel
 with our forward, the tokenizer, the chat template and a fingerprint for cache keys.
 """
 
@@ -108,6 +109,7 @@ def _weight_files(directory: Path) -> list[Path]:
 def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
     """Dequantize a GGUF file once into an HF directory (config, tokenizer, fp32 safetensors)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     cache_dir = cache_dir or default_cache_dir()
     target = cache_dir / "models" / f"{gguf.stem}-{_file_identity(gguf)[:16]}"
@@ -118,8 +120,12 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
     config = AutoConfig.from_pretrained(gguf.parent, **kw)
     ModelArch.from_hf_config(config)  # fail early, before the slow dequantization
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    with torch.device("meta"):  # only its parameter names: they map GGUF's onto HF's
+        names = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(
+        str(gguf), return_tensors=True, model_to_load=names, torch_dtype=torch.float32
+    )
+    state = {k: v.contiguous() for k, v in parsed["tensors"].items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -41,10 +41,10 @@ from cachecraft.api import (
     memory_config,
     resolve_model_dir,
 )
-from cachecraft.bench.peer_vllm import signal_group, vllm_env
 from cachecraft.env import torch_threads
 from cachecraft.errors import CachecraftError
 from cachecraft.request import RagRequest
+from cachecraft_bench.peer_vllm import signal_group, vllm_env
 
 DEFAULT_BATCHES = (1, 4, 16, 32)
 DEFAULT_ROUNDS = 2

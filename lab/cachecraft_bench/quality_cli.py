@@ -15,11 +15,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from cachecraft.bench.item import WorkloadItem
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.config_file import load_reuse_overrides
 from cachecraft.errors import BadRequestError, CachecraftError
 from cachecraft.store.config import StoreConfig
+from cachecraft_bench.item import WorkloadItem
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def add_bench_quality_parser(subparsers: argparse._SubParsersAction) -> argparse
 
 def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the top-level `calibrate` subcommand; sets `func`."""
-    from cachecraft.bench.calibrate import DEFAULT_ALPHAS
+    from cachecraft_bench.calibrate import DEFAULT_ALPHAS
 
     p = subparsers.add_parser("calibrate", help="pick the smallest alpha reaching a ROUGE-L target")
     _add_common_flags(p, seed=1)  # seed 1: a different sample from bench's default seed 0
@@ -202,8 +202,8 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
 
 def load_items(args: argparse.Namespace) -> tuple[str, list[WorkloadItem]]:
     """(workload name, items) from --workload / --workload-file and --requests."""
-    from cachecraft.bench.synthetic import parse_chunk_tokens
-    from cachecraft.bench.workloads import BUILTIN_WORKLOADS, build_workload, load_workload_file
+    from cachecraft_bench.synthetic import parse_chunk_tokens
+    from cachecraft_bench.workloads import BUILTIN_WORKLOADS, build_workload, load_workload_file
 
     if args.requests is not None and args.requests < 1:
         raise BadRequestError("--requests must be >= 1")
@@ -272,9 +272,9 @@ def _int8_store(cache_dir: str | None) -> StoreConfig | None:
 
 
 def _bench_quality(args: argparse.Namespace) -> int:
-    from cachecraft.bench.quality import mode_of, run_quality
-    from cachecraft.bench.quality_summary import flat_summary
-    from cachecraft.bench.report import write_report
+    from cachecraft_bench.quality import mode_of, run_quality
+    from cachecraft_bench.quality_summary import flat_summary
+    from cachecraft_bench.report import write_report
 
     base = reuse_config_from_args(args)
     configs = dict(parse_arm(text, base) for text in args.arm)
@@ -301,8 +301,8 @@ def _bench_quality(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from cachecraft.bench.calibrate import calibration_curve, pick_alpha
     from cachecraft.config_file import write_config
+    from cachecraft_bench.calibrate import calibration_curve, pick_alpha
 
     if not 0 < args.target <= 1:
         raise BadRequestError(f"--target must be in (0, 1], got {args.target}")

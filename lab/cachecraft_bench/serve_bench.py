@@ -3,7 +3,7 @@ mode (and vLLM with prefix caching as the peer) at rising rates until each syste
 then in bursts (every request of a run sent at once, vLLM's `--request-rate inf`):
 maximum throughput, computed prompt tokens/s, and TTFT / e2e latency at the highest rate every
 system sustains. Owns the orchestration and the report; our server is started by the factory
-the caller passes (the CLI passes `cachecraft.bench.own_server.server_process`: `cachecraft serve`
+the caller passes (the CLI passes `cachecraft_bench.own_server.server_process`: `cachecraft serve`
 in a child process).
 
 Each system serves one request stream, as a deployment does: its head warms the caches
@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from cachecraft.bench.item import WorkloadItem
-from cachecraft.bench.loadgen import replay, summarize
-from cachecraft.bench.trace import rag_trace, vllm_trace
 from cachecraft.errors import CachecraftError
+from cachecraft_bench.item import WorkloadItem
+from cachecraft_bench.loadgen import replay, summarize
+from cachecraft_bench.trace import rag_trace, vllm_trace
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ def _vllm(
     import torch
     from transformers import AutoTokenizer
 
-    from cachecraft.bench.peer_vllm import VllmServer, prefix_cache_stats
+    from cachecraft_bench.peer_vllm import VllmServer, prefix_cache_stats
 
     threads = torch.get_num_threads()  # our child server takes the same default; vLLM as many
     make = peer_server or (
@@ -422,7 +422,7 @@ def run_serve_bench(
             f"got {num_requests}, {warmup}, {refine}, {bursts}"
         )
     if items is None:
-        from cachecraft.bench.synthetic import synthetic
+        from cachecraft_bench.synthetic import synthetic
 
         items = synthetic(warmup + (max_runs + bursts + refine) * num_requests, seed=seed)
     items = list(items)

@@ -11,8 +11,9 @@ import json
 import math
 import sys
 
-from cachecraft.bench.own_server import server_process
-from cachecraft.bench.serve_bench import (
+from cachecraft.errors import CachecraftError
+from cachecraft_bench.own_server import server_process
+from cachecraft_bench.serve_bench import (
     DEFAULT_BURSTS,
     DEFAULT_MAX_RUNS,
     DEFAULT_MODES,
@@ -22,8 +23,7 @@ from cachecraft.bench.serve_bench import (
     ServerFactory,
     run_serve_bench,
 )
-from cachecraft.bench.trace import CLIENTS
-from cachecraft.errors import CachecraftError
+from cachecraft_bench.trace import CLIENTS
 
 
 def _parse_rates(text: str) -> list[float]:
@@ -135,18 +135,18 @@ def _items(args: argparse.Namespace) -> list:
     """The whole stream: the warm-up, then `requests` for each run the ramp may make."""
     n = args.warmup + (args.max_runs + args.bursts + args.refine) * args.requests
     if args.workload == "wiki-qa":
-        from cachecraft.bench.wiki_qa import wiki_qa_zipf
+        from cachecraft_bench.wiki_qa import wiki_qa_zipf
 
         return wiki_qa_zipf(n, seed=args.seed, zipf_s=args.zipf, num_questions=args.questions)
     if args.workload == "chat":
-        from cachecraft.bench.chat import chat_workload
+        from cachecraft_bench.chat import chat_workload
 
         return chat_workload(n)
     if args.workload == "shared-prefix":
-        from cachecraft.bench.shared_prefix import shared_prefix
+        from cachecraft_bench.shared_prefix import shared_prefix
 
         return shared_prefix(n, seed=args.seed)
-    from cachecraft.bench.synthetic import parse_chunk_tokens, synthetic
+    from cachecraft_bench.synthetic import parse_chunk_tokens, synthetic
 
     return synthetic(n, chunk_tokens=parse_chunk_tokens(args.chunk_tokens), seed=args.seed)
 

@@ -18,8 +18,8 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from cachecraft.bench.peer_vllm import free_port, stop_session, wait_healthy
 from cachecraft.env import child_env
+from cachecraft_bench.peer_vllm import free_port, stop_session, wait_healthy
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0

@@ -16,10 +16,10 @@ import bm25s
 import numpy as np
 from nltk.stem.porter import PorterStemmer
 
-from cachecraft.bench.item import WorkloadItem, estimate_tokens, split_sentences
-from cachecraft.bench.sources import FanoutQuestion, fanout_questions, wiki_articles
 from cachecraft.errors import BadRequestError
 from cachecraft.request import Chunk, RagRequest
+from cachecraft_bench.item import WorkloadItem, estimate_tokens, split_sentences
+from cachecraft_bench.sources import FanoutQuestion, fanout_questions, wiki_articles
 
 logger = logging.getLogger(__name__)
 

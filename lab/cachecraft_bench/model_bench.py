@@ -4,7 +4,7 @@ Also checks fidelity: max abs logit difference (fp32) and 32 greedy tokens vs HF
 and the miss path: time to first token of a 5-chunk RAG request whose chunks all miss, in
 `cachecraft` and `prefix` mode over `full` (what statistics and bookkeeping cost a miss).
 Peak memory of one prefill is measured in a fresh subprocess per (implementation, length), so
-neither side inherits the other's freed allocations: `python -m cachecraft.bench.model_bench`.
+neither side inherits the other's freed allocations: `python -m cachecraft_bench.model_bench`.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def peak_prefill_bytes(kind: str, n: int, spec: str | None = None) -> int:
 
 
 def _peak_in_subprocess(kind: str, n: int, spec: str | None) -> int | None:
-    cmd = [sys.executable, "-m", "cachecraft.bench.model_bench", kind, str(n)]
+    cmd = [sys.executable, "-m", "cachecraft_bench.model_bench", kind, str(n)]
     cmd += [spec] if spec else []
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:

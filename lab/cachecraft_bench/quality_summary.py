@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from cachecraft.bench.metrics import percentile, summarize
-from cachecraft.bench.paired import paired_summary
+from cachecraft_bench.metrics import percentile, summarize
+from cachecraft_bench.paired import paired_summary
 
 MEAN_METRICS: tuple[str, ...] = (
     "computed_fraction",

@@ -30,14 +30,14 @@ from cachecraft.api import (
     matched_budgets,
     probe_cost,
 )
-from cachecraft.bench.flops import ModelShape, flops_fraction
-from cachecraft.bench.item import WorkloadItem
-from cachecraft.bench.metrics import exact_match, kl_divergence, rouge_l, token_f1
-from cachecraft.bench.quality_summary import summarize_results
 from cachecraft.config import MODES, ReuseConfig
 from cachecraft.errors import BadRequestError
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
+from cachecraft_bench.flops import ModelShape, flops_fraction
+from cachecraft_bench.item import WorkloadItem
+from cachecraft_bench.metrics import exact_match, kl_divergence, rouge_l, token_f1
+from cachecraft_bench.quality_summary import summarize_results
 
 log = logging.getLogger(__name__)
 

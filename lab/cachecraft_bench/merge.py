@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cachecraft.bench.paired import paired_summary
-from cachecraft.bench.quality_summary import add_speedups, summarize_records, sweep_point
 from cachecraft.errors import BadRequestError
+from cachecraft_bench.paired import paired_summary
+from cachecraft_bench.quality_summary import add_speedups, summarize_records, sweep_point
 
 
 def _merge_workload(name: str, shards: Sequence[dict[str, Any]]) -> dict[str, Any]:

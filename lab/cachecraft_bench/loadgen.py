@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from cachecraft.bench.metrics import p50, p95
-from cachecraft.bench.trace import TraceRequest
+from cachecraft_bench.metrics import p50, p95
+from cachecraft_bench.trace import TraceRequest
 
 logger = logging.getLogger(__name__)
 

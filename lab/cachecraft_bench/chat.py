@@ -9,9 +9,9 @@ become chunk-caches). Used by `bench chat` (turn by turn) and `bench serve --wor
 from __future__ import annotations
 
 from cachecraft.api import chat_request
-from cachecraft.bench.item import WorkloadItem
-from cachecraft.bench.sharegpt import conversation_turns
-from cachecraft.bench.sources import iter_sharegpt
+from cachecraft_bench.item import WorkloadItem
+from cachecraft_bench.sharegpt import conversation_turns
+from cachecraft_bench.sources import iter_sharegpt
 
 SYSTEM = "You are a helpful assistant."
 

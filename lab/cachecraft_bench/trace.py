@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from cachecraft.api import chat_request, prompt_token_ids
-from cachecraft.bench.item import WorkloadItem
 from cachecraft.errors import BadRequestError
 from cachecraft.request import RagRequest
+from cachecraft_bench.item import WorkloadItem
 
 PASTED_TEMPLATE = (
     "Use the following pieces of context to answer the question at the end. If you don't know "

@@ -12,10 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
-from cachecraft.bench.merge import merge_results
-from cachecraft.bench.paired import paired_summary
-from cachecraft.bench.report import write_report
 from cachecraft.errors import BadRequestError
+from cachecraft_bench.merge import merge_results
+from cachecraft_bench.paired import paired_summary
+from cachecraft_bench.report import write_report
 
 
 def refresh(results: dict) -> dict:

@@ -11,10 +11,10 @@ import logging
 
 import numpy as np
 
-from cachecraft.bench.item import WorkloadItem, estimate_tokens, split_words, words_for_tokens
-from cachecraft.bench.sources import iter_sharegpt
 from cachecraft.errors import BadRequestError
 from cachecraft.request import Chunk, RagRequest
+from cachecraft_bench.item import WorkloadItem, estimate_tokens, split_words, words_for_tokens
+from cachecraft_bench.sources import iter_sharegpt
 
 logger = logging.getLogger(__name__)
 

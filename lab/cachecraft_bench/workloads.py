@@ -15,12 +15,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from cachecraft.bench.item import WorkloadItem, estimate_tokens
-from cachecraft.bench.sharegpt import sharegpt
-from cachecraft.bench.synthetic import synthetic
-from cachecraft.bench.wiki_qa import wiki_qa
 from cachecraft.errors import BadRequestError
 from cachecraft.request import DEFAULT_SYSTEM, Chunk, RagRequest
+from cachecraft_bench.item import WorkloadItem, estimate_tokens
+from cachecraft_bench.sharegpt import sharegpt
+from cachecraft_bench.synthetic import synthetic
+from cachecraft_bench.wiki_qa import wiki_qa
 
 __all__ = [
     "BUILTIN_WORKLOADS",

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cachecraft.bench.item import WorkloadItem
 from cachecraft.errors import BadRequestError
+from cachecraft_bench.item import WorkloadItem
 
 if TYPE_CHECKING:
     from cachecraft.api import LoadedModel
@@ -46,7 +46,7 @@ def calibration_curve(
 ) -> list[dict[str, Any]]:
     """Sweep points of cachecraft over `alphas` (param, rouge_l, computed_fraction, tf_kl, ...);
     `kw` goes to `run_quality` (warmup, max_tokens, base, progress, ...)."""
-    from cachecraft.bench.quality import run_sweep  # torch-heavy; keep config I/O light
+    from cachecraft_bench.quality import run_sweep  # torch-heavy; keep config I/O light
 
     return run_sweep(loaded, items, {"cachecraft": list(alphas)}, **kw).get("cachecraft", [])
 

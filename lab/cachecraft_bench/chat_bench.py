@@ -19,9 +19,9 @@ from typing import Any
 from tqdm import tqdm
 
 from cachecraft.api import LLM, LoadedModel, SamplingParams, chat_request, load_model
-from cachecraft.bench.chat import SYSTEM, Conversation, sharegpt_conversations
 from cachecraft.config import MODES
 from cachecraft.errors import CachecraftError
+from cachecraft_bench.chat import SYSTEM, Conversation, sharegpt_conversations
 
 
 def run_chat_bench(

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from cachecraft.bench.metrics import summarize
+from cachecraft_bench.metrics import summarize
 
 PAIRED_METRICS: tuple[str, ...] = (
     "tf_kl", "first_token_kl", "rouge_l", "tf_agreement", "computed_fraction", "flops_fraction",

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cachecraft.bench.item import WorkloadItem, estimate_tokens, sentences, words_for_tokens
-from cachecraft.bench.sources import wiki_articles
 from cachecraft.errors import BadRequestError
 from cachecraft.request import Chunk, RagRequest
+from cachecraft_bench.item import WorkloadItem, estimate_tokens, sentences, words_for_tokens
+from cachecraft_bench.sources import wiki_articles
 
 logger = logging.getLogger(__name__)
 

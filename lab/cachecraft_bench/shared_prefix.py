@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from cachecraft.bench.item import WorkloadItem, estimate_tokens
-from cachecraft.bench.sources import fanout_questions
-from cachecraft.bench.wiki_qa import wiki_passages
 from cachecraft.errors import BadRequestError
 from cachecraft.request import RagRequest
+from cachecraft_bench.item import WorkloadItem, estimate_tokens
+from cachecraft_bench.sources import fanout_questions
+from cachecraft_bench.wiki_qa import wiki_passages
 
 
 def shared_prefix(

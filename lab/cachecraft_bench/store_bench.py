@@ -335,8 +335,8 @@ def _tier_ttft(args: argparse.Namespace) -> dict[str, object]:
     from pathlib import Path
 
     from cachecraft.api import RedisServer, load_model
-    from cachecraft.bench.tier_ttft import run_tier_ttft
-    from cachecraft.bench.workloads import load_workload_file
+    from cachecraft_bench.tier_ttft import run_tier_ttft
+    from cachecraft_bench.workloads import load_workload_file
 
     sample = Path(__file__).resolve().parents[2] / "examples" / "wiki_qa_sample.jsonl"
     request = load_workload_file(sample)[0].request

@@ -1,1 +1,0 @@
-"""cachecraft.bench."""
