@@ -4,28 +4,27 @@ With every decoding sequence's K/V in one tensor pair, one attention call per la
 of them (model/decode.py); a slot is handed out as a `KVCache` whose k, v are views of the
 slot, so splicing, prefill and variant code stay unchanged. Keys are stored transposed,
 k_t [layers, slots, Hkv, D, capacity] (`k` is its [.., capacity, D] view): a decode step's
-q.K^T then reads each key matrix as a plain (not transposed) GEMM operand, which on this CPU
-is memory-bound instead of 1.7x slower (32 sequences of 512 positions, one thread: the step's
-attention matmuls 92 -> 71 ms, the step 222 -> 207 ms). The price is paid by writers and
-prefill readers, which now write and read keys across the grain: splicing five 150-token
-chunks into a slot took 14.1-14.5 -> 17.6-23.0 ms, and a prefill copies a slot's keys once per
-layer (~0.1 ms at 800 positions) for SDPA; a decode step at B=16 saves ~15 ms. The pool
+q.K^T then reads each key matrix as a plain (not transposed) GEMM operand, which keeps it
+memory-bound instead of paying for a strided read. The price is paid by writers and prefill
+readers, which write and read keys across the grain (splicing is slower, and a prefill copies
+a slot's keys once per layer for SDPA); decode steps, which run far more often, gain more than
+that costs (figures: docs/performance.md). The pool
 grows (all slots at once) when a sequence needs more positions; `acquire` refuses (None)
 when no slot is free or growing would pass `max_bytes`, and the caller then uses a plain
 KVCache of its own.
 
 On a CPU the pool's pages are taken only when first written (`lazy_zeros`), so its first growth
 reserves every position that `max_bytes` and the context allow (`reserve`) and it never grows
-again. Growing copies every live slot into fresh pages: with ten 938-position slots live, a
-doubling stalled every stream for 1.5-2.8 s, mostly in page faults (the same copy into touched
-pages takes 0.1 s), and the old pool's pages were all faulted in once more afterwards. A
+again. Growing copies every live slot into fresh pages, which stalls every stream for as long
+as the page faults take (far longer than the copy itself) and faults the old pool's pages in
+once more afterwards. A
 sequence's K/V still take only the pages it writes (for keys, whole pages of each head-dim row,
 as already after the first doubling past 1,024 positions). Where the OS refuses so large a map
 (past RAM + swap on a small machine), the pool grows by doubling as before.
 
 bfloat16 keeps its keys as they come, k [layers, slots, Hkv, capacity, D] (`transposed_keys`
 False): its batched matmuls copy every strided key and value slice before multiplying (a
-B=16 decode step spent 23 of 73 ms in those copies), while SDPA reads a slot range of
+large share of a decode step), while SDPA reads a slot range of
 untransposed keys and values in place (model/decode.py).
 """
 
@@ -162,10 +161,9 @@ class KVPool:
         """Map one layer's pages of the lowest free slot whose first `warm_positions`
         positions are not mapped yet; False when none is left (nothing done). The step thread
         calls it while idle, so that a burst's prefills write into mapped pages: on a VM whose
-        host backs guest memory lazily a fresh page cost ~20-30 us to fault in against ~2 us
-        for a page the host already backs, and a burst of 16 requests over fresh slots took
-        15.4 s against 9.2 s over mapped ones (SmolLM2, two threads, ~240k faults). One call
-        maps ~600 pages (SmolLM2's layer of one slot at 1,024 positions, ~15 ms there)."""
+        host backs guest memory lazily a fresh page costs about ten times as much to fault in
+        as one the host already backs (docs/performance.md). One call maps one layer of one
+        slot, so a request that arrives meanwhile waits at most that long."""
         end = self._warm_end()
         if end <= 0 or not self._free:
             return False

@@ -1,35 +1,25 @@
 """Linear layers (x @ W^T + b) with the weight packed once for oneDNN, or plain `F.linear`.
 
-On an AMD EPYC VM with AVX-512 (one thread) torch's default fp32 GEMM runs at under half
-the speed of oneDNN with a prepacked weight: all of SmolLM2's layer weights at 16 rows take
-60 -> 27 ms, at 300 rows 659 -> 287 ms, at 1,500 rows 3.3 -> 1.4 s. Packing happens once at
-load. Where oneDNN is missing, the model is neither fp32 nor bf16 that oneDNN computes
-natively (`_is_mkldnn_bf16_supported`), or a probe product disagrees with `F.linear`, the plain
-weight is used.
+torch's default fp32 GEMM on a CPU runs well below oneDNN with a prepacked weight, so the
+weights are packed once at load. Where oneDNN is missing, the model is neither fp32 nor bf16
+that oneDNN computes natively (`_is_mkldnn_bf16_supported`), or a probe product disagrees with
+`F.linear`, the plain weight is used.
 
-One or two rows (a decode step of one or two sequences) may be the exception, depending on
-the CPU: on some, torch's GEMV/GEMM reads the plain weight faster than oneDNN reads the packed
-one (SmolLM2's layers, one thread, A/B in one process: one row 60 -> 53 ms per step; two
-rows, layers and head, 56-63 -> 42-53 ms; on an Intel Xeon VM, AVX-512, one row plain 38.5 ms
-vs packed 46.5, two rows 41.7 vs 51.4), on others the packed one is much faster (an AMD EPYC
-VM with AVX-512, thirty-fifth session, the whole decode step at one thread: one row 35.9 ms
-plain vs 22.5 packed, two rows 60.2 vs 24.5; at two threads 35.7 vs 15.1). From three rows
-on oneDNN was as fast or faster everywhere. `keep_plain` keeps the plain weight beside the
-packed one for those products, at the cost of a second copy in memory, and
-`packed_is_faster` times both over a model's weights at load: where the packed one is as
-fast, `pack_only` drops the plain copies.
+Products of one or two rows (a decode step of one or two sequences) are the exception, and
+which way it goes depends on the CPU: on some, torch reads the plain weight faster than oneDNN
+reads the packed one, on others the packed one is much faster; from three rows on oneDNN is as
+fast or faster. So `keep_plain` keeps the plain weight beside the packed one for those
+products, at the cost of a second copy in memory, and `packed_is_faster` times both over a
+model's weights at load: where the packed one is as fast, `pack_only` drops the plain copies.
 
 bf16 is the other way round (`PACKED_BF16_MAX_ROWS`): packed is faster for small products (a
 decode step, a probe) and not for a long prefill's, so those read the plain weight.
 
-Not everywhere so in fp32: on an AMD EPYC with AVX2 only (twenty-fourth session, SmolLM2's
-layer products, plain / packed time) one thread 1.25 at 16 rows, 0.97 at 64, 0.93 at 256,
-0.86-0.88 from 512 on; two threads 1.57 / 1.23 / 0.99 at 16 / 64 / 256 and 0.89-0.95 from 512
-on. Reading the plain weight from 512 rows on was tried twice and left out. Chosen by a timing
-at start-up, the timing of layer 0 swung between 0.94 and 1.01 at 512 rows from one process to
-the next, so the kernel a prompt ran on would change from run to run. Chosen by the CPU's
-instruction set (AVX2), a whole one-thread prefill on the idle VM went 2.01 -> 2.04 s at 600
-tokens and 8.26 -> 8.02 s at 2,048: in the model the products' gain is mostly gone.
+Long fp32 products always read the packed weight, even on CPUs where the plain one is a little
+faster there: chosen by a timing at start-up, the choice flips from one process to the next
+within the timing's noise, so the kernel a prompt runs on (and its rounding) would change from
+run to run; chosen by instruction set, a whole prefill gained nothing. The figures behind
+these choices: docs/performance.md, "Linear products".
 """
 
 from __future__ import annotations
@@ -46,8 +36,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 PACK_ROWS = 16
-"""The row count oneDNN is told to expect when packing (a hint: 16 and 128 measured the same
-from 1 to 1,500 rows; 1 was slower for many rows)."""
+"""The row count oneDNN is told to expect when packing: only a hint; a value near 1 lets it pick
+kernels that are slow for long prefills, and larger values gained nothing."""
 
 
 PLAIN_MAX_ROWS = 2
@@ -62,9 +52,8 @@ one copy of its weights instead of two."""
 
 PACKED_BF16_MAX_ROWS = 256
 """bf16 (where oneDNN computes it natively: AVX512-BF16 / AMX): products of at most this many
-rows use the packed weight, larger ones the plain one when it is kept. On an AMX Xeon VM, two
-threads, SmolLM2's five weight shapes, F.linear over packed: 1.4-2.9x at 1-32 rows, 1.5-1.9x
-at 64-128, 1.3x at 256, 0.7-1.2x at 512 (the down-projection and o-proj slower packed)."""
+rows use the packed weight, larger ones the plain one when it is kept: packed is faster for
+short products, and from about 512 rows some projections (down, o) run slower packed."""
 
 
 class Linear:

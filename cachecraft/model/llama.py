@@ -41,8 +41,8 @@ model/linear.py): SmolLM2-135M's 0.40 GiB, not a 7B model's 26 GiB."""
 
 TIME_SHORT_PRODUCTS_BYTES = 64 << 20
 """fp32 models whose linear weights take at least this much time their one- and two-row
-products with both weights at load (`linear.packed_is_faster`, ~0.6 s for SmolLM2-135M) and
-keep the plain copies only where those are faster. Smaller ones stay in the CPU's caches, where
+products with both weights at load (`linear.packed_is_faster`, well under a second for the
+bundled model) and keep the plain copies only where those are faster. Smaller ones stay in the CPU's caches, where
 a timing says nothing about a decode step that reads its weights from memory (and the test
 models' products then never change from one load to the next)."""
 
@@ -50,15 +50,12 @@ models' products then never change from one load to the next)."""
 ROW_ALIGN_BF16 = 32
 """bf16 on oneDNN: a step's products run on its row count rounded up to a multiple of this
 (from this many rows on; the extra rows are never read). oneDNN builds a kernel for every new
-row count, and in bf16 (AMX) that costs more than the product: on an AMX Xeon VM, two
-threads, the fused MLP at 700 rows took 25.8 ms on a new count and 4.0 ms on a seen one (the
-qkv product 3.6 vs 0.4 ms), so a lone 700-token prefill paid ~30 ms at its first layer and a
-reused request twice (its check rows stop after layer 1). Rounded, the counts repeat: 32
-lone wiki-qa requests after 104 warm-up ones, both arms in one process, 10.7 -> 8.7 s in
-cachecraft mode (TTFT p50 338 -> 259 ms) and 9.5 -> 8.8 s in prefix mode (273 -> 246 ms).
-The engine builds the kernels of every aligned count up to its token budget before its first
-step (`warm_kernels`, ~2 s). float32's products build their kernels in well under a
-millisecond, so float32 runs its rows as they are."""
+row count, and in bf16 (AMX) building one costs several times the product itself, so a
+request whose row counts were never seen pays for them at its first layers (a reused request
+twice: its check rows stop early). Rounded, the counts repeat. The engine builds the kernels
+of every aligned count up to its token budget before its first step (`warm_kernels`), so no
+request pays for them. float32's products build their kernels in a small fraction of a
+product's time, so float32 runs its rows as they are (figures: docs/performance.md)."""
 
 
 class LayerWeights(NamedTuple):
@@ -187,7 +184,7 @@ def _put_rows(cache: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
     """cache[:, pos] = x at scattered positions pos [n]; cache [Hkv, capacity, D] may view
     keys stored transposed ([Hkv, D, capacity] memory, a pool slot's): the rows then go in as
     columns of that memory, from a transposed copy of x (index_put through the transposed
-    view took 2.5x as long: 500 rows, 266 against 100 us per layer on the 2-core EPYC)."""
+    view scatters across the grain and is several times slower)."""
     if cache.stride(1) == 1 and cache.stride(2) != 1:
         cache.transpose(1, 2)[:, :, pos] = x.transpose(1, 2).to(cache.dtype).contiguous()
     else:
@@ -488,8 +485,8 @@ class LlamaModel:
             _put_rows(kv_v, pos, v)
         keys = kv_k[:, : last + 1].to(q.dtype)
         if keys.stride(-1) != 1 and self.row_kernel is None:
-            # a pool slot's keys are stored transposed: one copy here (~0.1 ms per layer at
-            # 800 positions) beats SDPA on them; the kernel copies them transposed anyway
+            # a pool slot's keys are stored transposed: one contiguous copy here is cheaper
+            # than SDPA reading them strided; the kernel copies them transposed anyway
             keys = keys.contiguous()
         values = kv_v[:, : last + 1].to(q.dtype)
         window = self.arch.sliding_window
