@@ -91,7 +91,7 @@ def chat_request(
     """The RagRequest the server makes of a chat completion with these OpenAI `messages` and
     cachecraft `documents` ({"text", "id"?}): system messages -> system prompt, the last
     (user) message -> question, earlier turns -> chunk-caches in front of the documents
-    (README "Serving"). Bad input raises BadRequestError as the server answers 400."""
+    (docs/api.md, "Serving"). Bad input raises BadRequestError as the server answers 400."""
     try:
         body = ChatCompletionRequest(messages=messages, documents=documents or [])
     except ValueError as e:  # pydantic's ValidationError

@@ -50,7 +50,7 @@ def _ask(args: argparse.Namespace) -> int:
         from cachecraft.store.store import make_store
 
         # Admit on first sight: whoever asks twice on the command line expects the second
-        # answer to reuse the first one's chunk-caches (README, Quick start).
+        # answer to reuse the first one's chunk-caches (docs/api.md, "Quick start").
         config = StoreConfig(cache_dir=args.cache_dir, device=args.device, doorkeeper_threshold=1)
         store = make_store(config)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, store=store, **_overrides(args))

@@ -5,7 +5,8 @@ peer benchmark passes the environment on to its child, less OPENMP_WAIT_VARS).
 * `XDG_CACHE_HOME` (read): where converted models are cached, `$XDG_CACHE_HOME/cachecraft`
   (default `~/.cache/cachecraft`).
 * `OMP_WAIT_POLICY` (set by the `cachecraft` command to `PASSIVE` unless already set, before
-  torch loads OpenMP): OpenMP's long active waiting starves our own threads (README, "Threads and memory").
+  torch loads OpenMP): OpenMP's long active waiting starves our own threads
+  (docs/performance.md).
 * `GOMP_SPINCOUNT` (set by the `cachecraft` command to `SPIN_COUNT` unless already set): with
   PASSIVE alone a worker sleeps right after every operation and the next one pays for waking
   it (a full prefill took 10% longer); a short spin keeps the workers awake between the
@@ -110,8 +111,9 @@ def tune_allocator() -> bool:
 def torch_threads(num_threads: int) -> Iterator[None]:
     """Run the block with `num_threads` torch threads on this thread, then restore its count.
     Loading the model under `torch_threads(1)` keeps the loading thread from starting OpenMP
-    workers that would outlive the load: with 2 cores, a decode step at B=16 in the engine's
-    thread took 128 ms after a 2-thread load against 97 ms in a process with one team."""
+    workers that would outlive the load: once the workers of all teams outnumber the cores,
+    GNU OpenMP stops spinning and every operation of the engine's step pays to wake its
+    workers (docs/performance.md)."""
     import torch
 
     before = torch.get_num_threads()

@@ -42,8 +42,8 @@ class LayerLoader:
         """Every layer now (a probe reads them all before the prefill): per chunk, all its
         layers rotated in one pass rather than one small rotation per layer (a request's
         reused chunks x layers: thousands of tiny ops per burst), read as the memory tier
-        holds them (five 150-token chunks into a pool slot: 10.9 -> 6.9 ms against stacking
-        the layers first); values are converted by the write itself."""
+        holds them (stacking the layers first would copy them once more); values are
+        converted by the write itself."""
         dtype, device = self.kv.k.dtype, self.kv.k.device
         for reader, start, end, cos, sin in self._spans:
             keys, values = all_layers(reader)

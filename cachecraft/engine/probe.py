@@ -16,7 +16,7 @@ no copy, no re-rotation, and nothing the prefill reads before writing it changes
 runs over a scratch cache: keys before the first moved position are copied as they are, only
 the moved ones are re-rotated, and only the probe's layers are filled. Scratch caches are
 kept for reuse (`ScratchCaches`): a fresh one's pages are faulted in on its first write, which
-on a 2-core VM took 30-130 ms per request for 500-800 positions (the copies themselves ~1 ms).
+costs far more than the copies themselves.
 
 The probe is a SeqWork of its own (`probe_work`), so the engine runs the probes of every
 request starting in a step through ONE forward (one pass over the weights for all of them);

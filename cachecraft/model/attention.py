@@ -44,8 +44,7 @@ def _sdpa(
     """4-D SDPA with an explicit mask, plain causal (n == ctx), or neither (every row sees
     every key: one row at the last position). K/V may have fewer heads than q (GQA): SDPA
     reads each KV head for its group of query heads, bit for bit what expanding K/V to one
-    head per query head gives, without that copy (700 rows, 9 query heads over 3, two threads:
-    the copy 2 x 115 us per layer, and the call itself 3.8 -> 3.6 ms)."""
+    head per query head gives, without paying for that copy at every layer."""
     gqa = k.shape[-3] != q.shape[-3]
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
@@ -87,23 +86,20 @@ def _wide_values(v: torch.Tensor, onehot: torch.Tensor | None, width: int) -> to
 
 ROW_BLOCK = 64
 """Rows per SDPA call in a masked (partial) prefill: rows are sorted, so a block of rows never
-sees keys past its last position and reads K/V only up to there (on this CPU, splitting a
-544-row partial prefill over 1,300 keys into blocks of 128 cut its attention 34 -> 22 ms;
-blocks of 64 cut another 5-9% of CPU time on 541 scattered rows, and cost nothing on 1,270
-contiguous ones; 192 and 256 were slower). That is float32's."""
+sees keys past its last position and reads K/V only up to there; smaller blocks read less,
+until each call's fixed cost outweighs that. That is float32's (figures:
+docs/performance.md)."""
 
 ROW_BLOCK_BF16 = 256
-"""bfloat16's rows per SDPA call: its kernel does the arithmetic ~2.5x faster, so a call's
-fixed cost weighs more (340 scattered rows over 900 keys, two threads: blocks of 64 took
-1.61-1.68 ms, 128 1.25-1.28, 256 1.22-1.23, all rows in one call 1.32-1.36; float32 at 64
-2.66-2.72 and at 256 3.21-3.22 ms)."""
+"""bfloat16's rows per SDPA call: its kernel does the arithmetic faster, so a call's fixed
+cost weighs more and larger blocks pay (figures: docs/performance.md)."""
 
 
 MAX_PAD_SHARE = 8
 """Rows after a cached prefix of `pad` positions run as one causal SDPA call over `pad` zero
-query rows plus theirs when pad <= rows / MAX_PAD_SHARE: on this CPU 750 rows after a 20-token
-system prompt took 5.3 ms per layer that way, 6.9 ms as masked blocks; 600 rows after 200
-were faster as blocks (6.3 vs 7.3 ms)."""
+query rows plus theirs when pad <= rows / MAX_PAD_SHARE: behind a short prefix the wasted
+zero rows cost less than masked blocks do, behind a long one more (figures:
+docs/performance.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +130,7 @@ def plan_rows(q_pos: torch.Tensor, window: int | None, dtype: torch.dtype) -> Ro
         num_blocks = -(-n // (ROW_BLOCK_BF16 if dtype == torch.bfloat16 else ROW_BLOCK))
     else:
         # One call on an accelerator: blocks keep a CPU's caches warm, but a GPU pays for
-        # every call and cuDNN's SDPA builds a plan for every new shape (H200, random-weight
-        # Llama 1B in bf16, five 1,000-token chunks: cachecraft's TTFT p50 770 ms in blocks of
-        # 256 rows, 175 ms in one call; docs/results/gpu-h200.md).
+        # every call and cuDNN's SDPA builds a plan for every new shape (docs/results/gpu-h200.md).
         num_blocks = 1
     cuts = [round(i * n / num_blocks) for i in range(num_blocks + 1)]
     blocks = []
@@ -298,7 +292,7 @@ class MeterPlan:
     scores are laid out) and per such row the weight of its probabilities in the key mass,
     weights [group * n] (1 / (H x metered rows) for a metered row, else 0). Built once per
     forward step: per layer, mask building and a boolean gather of the metered rows' scores
-    cost as much as the scores themselves (35 rows over 770 keys: 1.9 -> 0.8 ms per layer)."""
+    would cost as much as the scores themselves."""
 
     bias: torch.Tensor
     weights: torch.Tensor

@@ -4,14 +4,13 @@ Once per step the rows are sorted by slot and split into groups of neighbouring 
 group reads k[layer, first:end, :, :length] as one view (no copy), padded to its longest
 context, with a key mask built once per step and shared by every layer (none when every slot
 of the group decodes at the same length). The attention is two batched matmuls and a softmax
-(one query row per head: on this CPU 8% less time per decode step at B=16 than SDPA's flash
-kernel, same values to ~1e-7); the scores read the pool's transposed keys (k_t) as a plain
+(one query row per head: cheaper per decode step than SDPA's flash kernel, with the same
+values to ~1e-7); the scores read the pool's transposed keys (k_t) as a plain
 GEMM operand. A pool of untransposed keys (bfloat16's, model/kv_pool.py) is read by SDPA
 instead, with each KV head's query heads as its query rows: its batched matmuls would copy the
-strided slices first (a group of 16 slots over 860 keys, one layer, two threads: 0.91 ms
-with the matmuls, 0.56 with SDPA). A group grows while the padding it reads stays
-small, so mixed context lengths split into a few calls instead of one that reads mostly
-padding. Slots inside a group's range that do not decode get a zero query on key 0 only;
+strided slices first, which makes them slower than SDPA there. A group grows while the
+padding it reads stays small, so mixed context lengths split into a few calls instead of one
+that reads mostly padding. Slots inside a group's range that do not decode get a zero query on key 0 only;
 their output is dropped.
 """
 

@@ -16,10 +16,10 @@ def lazy_zeros(
 ) -> torch.Tensor:
     """torch.zeros(shape) whose pages the OS zeroes when first touched (CPU: an anonymous
     private mmap, page-aligned, plain 4 KiB pages), so a big KV buffer costs nothing up front
-    and only the positions used ever take memory (torch.zeros writes every byte: 150 ms for a
-    383 MB pool, on the first request's time to first token). numpy's calloc is not used: it
-    asks for transparent huge pages, whose faults zero 2 MiB at a time and may stall on
-    compaction. Other devices: torch.zeros."""
+    and only the positions used ever take memory (torch.zeros writes every byte, and a large
+    pool would charge that to the first request's time to first token). numpy's calloc is
+    not used: it asks for transparent huge pages, whose faults zero 2 MiB at a time and may
+    stall on compaction. Other devices: torch.zeros."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -5,12 +5,9 @@ Two forms of the same sum:
   as separate passes): float32, and wherever oneDNN's post-ops are missing;
 * bfloat16 on oneDNN: SiLU runs inside gate's GEMM, the multiply by up inside up's and the
   residual inside down's (post-ops of `_linear_pointwise`), so the [n, I] intermediates are
-  written once instead of three times. On an AMX Xeon VM, two threads, SmolLM2's MLP alone:
-  626 rows 4.2-4.4 -> 2.4-2.6 ms, 256 rows 1.03-1.16 -> 0.88-0.89, 16 rows 217-222 ->
-  193-204 us, 1-8 rows the same. The whole bf16 model, both forms loaded in one process and
-  alternated ten times: a 700-token prefill 242 -> 227 ms (medians), 64 tokens 37.1 -> 35.2.
-  In float32 the split products were slower (8.7 -> 9.4 ms at 626 rows), so float32 keeps
-  the first form.
+  written once instead of three times, which makes a bf16 prefill faster. In float32 the
+  split products are slower than one gate-and-up product, so float32 keeps the first form
+  (figures: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -26,20 +23,17 @@ log = logging.getLogger(__name__)
 
 
 FUSED_MIN_ROWS = 16
-"""bf16: products of fewer rows (a decode step of a few sequences) take the first form: the
-same time in isolation from 1 to 8 rows, and the model's one-row decode step measured 25.4-25.7
--> 25.9-27.5 ms with every row fused (three GEMM calls instead of two, in separate processes);
-from 16 rows on the fused form is faster."""
+"""bf16: products of fewer rows (a decode step of a few sequences) take the first form: for a
+few rows the fused form saves no time and makes three GEMM calls instead of two, which a
+decode step pays for; from 16 rows on the fused form is faster."""
 
 
 ROW_BLOCK = 512
 """Rows per product in the first form: its [n, 2 I] intermediate stays the same few MB, which
-glibc hands back from its heap step after step. Unblocked, a step past ~2,700 rows (a
-cachecraft burst's probe and check rows on top of the token budget) made SmolLM2's
-intermediate larger than glibc's 32 MiB mmap threshold, so every layer mapped it afresh and
-faulted in its 8,400 pages (30 layers at 2,816 rows: 1,141 ms and 253k faults against 867 ms
-and none in blocks of 512, two threads; at 2,048 rows 666 -> 631 ms: the blocks stay in cache
-better). In a served burst those faults were 60-85% of all page faults."""
+glibc hands back from its heap step after step. Unblocked, a large step (a burst's probe and
+check rows on top of the token budget) makes the intermediate larger than glibc's 32 MiB mmap
+threshold, so every layer would map it afresh and fault in its pages; smaller blocks also
+stay in cache better (figures: docs/performance.md)."""
 
 
 class Mlp:

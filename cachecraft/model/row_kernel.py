@@ -1,15 +1,13 @@
 """Our float32 CPU attention kernel (`csrc/row_attention.cpp`): built for this machine on first
 use, cached, and loaded as the torch operator `torch.ops.cachecraft.row_attention`.
 
-Why a kernel of our own: torch's CPU SDPA runs float32 attention far below its GEMMs' speed
-(an AMD EPYC VM with AVX-512, two threads, SmolLM2's 9 query heads over 3 KV heads, a causal
-1,500-token prefill: SDPA 17.8 ms per layer, 145 GFLOP/s, where the layer's packed linears run
-at ~520), and vLLM's CPU kernel did the same attention in 6.7 ms; ours takes 6.9 (2.6x less
-than SDPA; 3.1x at 300 tokens). It reads each K/V tile once for all the query heads of its KV
+Why a kernel of our own: torch's CPU SDPA runs float32 attention far below its GEMMs' speed,
+and a kernel like vLLM's CPU one does the same attention in well under half the time
+(figures: docs/performance.md). It reads each K/V tile once for all the query heads of its KV
 group, keeps scores for one tile of keys at a time, and takes each row's own causal limit
 from its position, so scattered rows of a partial prefill need no mask tensor.
 
-The build needs a C++ compiler (`$CXX`, else `g++`, else `c++`); it takes ~6 s once per
+The build needs a C++ compiler (`$CXX`, else `g++`, else `c++`); it runs once per
 machine, torch version and source (~0.1 MB; earlier builds are left in place, as another
 checkout may use them), and lands in `cache_home()/kernels` (env.py). Where it
 cannot be built or loaded, or `CACHECRAFT_ROW_KERNEL=0` (env.py), `load_row_kernel` returns

@@ -43,7 +43,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default="float32",
         choices=tuple(DTYPES),
         help="weights and compute (bfloat16: ~3x faster prefill on CPUs with AMX, ~5x slower "
-        "on those without; see README)",
+        "on those without; see docs/performance.md)",
     )
     p.add_argument(
         "--device",

