@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
-from cachecraft.store.redis_server import RedisServer
+from cachecraft.store.redis_server import RedisServer, ValkeyCluster
 
 TINY_CONFIG = dict(
     vocab_size=49152,
@@ -80,3 +80,10 @@ def redis_server() -> Iterator[RedisServer]:
     """A fresh Redis-protocol server (the pinned wheel's valkey-server) on a free port."""
     with RedisServer() as srv:
         yield srv
+
+
+@pytest.fixture
+def valkey_cluster() -> Iterator[ValkeyCluster]:
+    """A fresh three-shard Valkey cluster (the pinned wheel's valkey-server) on free ports."""
+    with ValkeyCluster(num_shards=3) as cluster:
+        yield cluster

@@ -67,6 +67,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--cache-dir", default="./.cachecraft", help="disk tier ('' to disable)")
     p.add_argument("--redis-url", default=None, help="shared Redis tier, e.g. redis://host:6379")
     p.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="--redis-url names nodes of a Redis/Valkey cluster (comma-separated startup nodes)",
+    )
+    p.add_argument(
         "--memory-bytes",
         type=int,
         default=store.memory_bytes,
@@ -217,6 +222,7 @@ def main_serve(args: argparse.Namespace) -> int:
             redis_bytes=args.redis_bytes,
             cache_dir=cache_dir,
             redis_url=args.redis_url,
+            redis_cluster=args.redis_cluster,
             redis_prefix=args.redis_prefix,
             doorkeeper_threshold=args.doorkeeper_threshold,
             admit_all_below=args.admit_all_below,

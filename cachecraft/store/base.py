@@ -64,6 +64,9 @@ class TierHealth(NamedTuple):
     """False only for a shared tier that is down (then the store serves from local tiers)."""
     num_variants: int
     nbytes: int
+    detail: str | None = None
+    """Why it is degraded, e.g. "1 of 3 shards unreachable: serving from local tiers"; None
+    while all is well."""
 
 
 class ChunkStore(Protocol):

@@ -28,6 +28,9 @@ class StoreConfig:
     redis_bytes: int = 4 * GiB
     cache_dir: str | None = None
     redis_url: str | None = None
+    redis_cluster: bool = False
+    """`redis_url` names startup nodes of a Redis/Valkey cluster (several separated by commas);
+    the tier shards across it, each chunk's keys on one shard."""
     redis_prefix: str = "cachecraft:"
     redis_backoff_s: float = 1.0
     """After a Redis error, wait this long before retrying (doubling, up to 30 s)."""
@@ -80,4 +83,15 @@ class StoreConfig:
         if self.redis_url is not None and not self.redis_url.startswith(REDIS_SCHEMES):
             raise ValueError(
                 f"redis_url {self.redis_url!r} must start with one of {', '.join(REDIS_SCHEMES)}"
+            )
+        if self.redis_cluster and self.redis_url is not None:
+            for url in self.redis_url.split(","):
+                if not url.strip().startswith(("redis://", "rediss://")):
+                    raise ValueError(
+                        f"redis_url {url!r}: a cluster's nodes are redis:// or rediss:// URLs"
+                    )
+        if "{" in self.redis_prefix or "}" in self.redis_prefix:
+            raise ValueError(
+                f"redis_prefix {self.redis_prefix!r} may not contain braces (they are the "
+                "cluster's hash tags)"
             )

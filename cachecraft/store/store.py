@@ -77,6 +77,7 @@ class TieredStore:
                 config.redis_prefix,
                 config.int8,
                 backoff_s=config.redis_backoff_s,
+                cluster=config.redis_cluster,
             )
             if config.redis_url and config.redis_bytes > 0
             else None
@@ -111,7 +112,7 @@ class TieredStore:
         cfg = self.config
         if self.redis is not None:
             return RedisTally(
-                self.redis.client, cfg.redis_prefix + "tally:", cfg.doorkeeper_size,
+                self.redis.conn, cfg.redis_prefix + "tally:", cfg.doorkeeper_size,
                 backoff_s=cfg.redis_backoff_s, ttl_s=cfg.shared_ttl_s,
             )  # fmt: skip
         if self.disk is not None:
@@ -678,7 +679,7 @@ class TieredStore:
         if self.redis is not None:
             up = self.redis.is_reachable
             n, nbytes = (len(self.redis), self.redis.nbytes) if up else (0, 0)
-            out.append(TierHealth("redis", up, n, nbytes))
+            out.append(TierHealth("redis", up, n, nbytes, self.redis.detail))
         return out
 
     def variant_ids(self) -> list[str]:
@@ -848,6 +849,8 @@ class TieredStore:
         self.tally.close()
         if self.disk is not None:
             self.disk.close()
+        if self.redis is not None:
+            self.redis.close()
 
 
 def _in_order(residents: list[VariantStats], need: int) -> list[VariantStats] | None:

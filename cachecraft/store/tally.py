@@ -19,13 +19,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
 
-import redis
-
 from cachecraft.store.policy import VariantStats
+from cachecraft.store.redis_client import REDIS_ERRORS, RedisConnection
 from cachecraft.store.sqlite_file import open_shared
 
 logger = logging.getLogger(__name__)
-_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 class Tally(Protocol):
@@ -245,21 +243,22 @@ class SqliteTally:
 
 class RedisTally:
     """Keys under `prefix`: `sight:<chunk key>` (a counter), `clock` (a counter) and
-    `hs:<variant id>` (hash of VariantStats fields). Sightings and statistics expire `ttl_s`
-    after their last update, which bounds what Redis keeps. Errors fall back to `local` for
-    `backoff_s`; nothing is raised."""
+    `hs:<variant id>` (hash of VariantStats fields); every command names one key, so a cluster
+    serves it as well as one server. Sightings and statistics expire `ttl_s` after their last
+    update, which bounds what Redis keeps. Errors fall back to `local` for `backoff_s`; nothing
+    is raised."""
 
     is_shared = True
 
     def __init__(
         self,
-        client: redis.Redis,
+        connection: RedisConnection,
         prefix: str,
         max_keys: int = 65536,
         backoff_s: float = 1.0,
         ttl_s: float = 7 * 86400,
     ) -> None:
-        self.client = client
+        self.conn = connection
         self.prefix = prefix
         self.ttl_s = max(1, int(ttl_s))
         self.local = LocalTally(max_keys)
@@ -273,7 +272,7 @@ class RedisTally:
             return fallback()
         try:
             out = fn()
-        except _REDIS_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             if not self.is_down:
                 logger.warning("shared tally unreachable (%s): counting locally", exc)
             self.is_down = True
@@ -286,7 +285,7 @@ class RedisTally:
         key = self.prefix + "sight:" + chunk_key
 
         def bump() -> int:
-            pipe = self.client.pipeline()
+            pipe = self.conn.client.pipeline()
             pipe.incr(key)
             pipe.expire(key, self.ttl_s)
             return int(pipe.execute()[0])
@@ -296,22 +295,23 @@ class RedisTally:
     def sightings(self, chunk_key: str) -> int:
         return int(
             self._call(
-                lambda: self.client.get(self.prefix + "sight:" + chunk_key) or 0,
+                lambda: self.conn.client.get(self.prefix + "sight:" + chunk_key) or 0,
                 lambda: self.local.sightings(chunk_key),
             )
         )
 
     def tick(self) -> float:
-        return float(self._call(lambda: self.client.incr(self.prefix + "clock"), self.local.tick))
+        clock = self.prefix + "clock"
+        return float(self._call(lambda: self.conn.client.incr(clock), self.local.tick))
 
     def now(self) -> float:
         return float(
-            self._call(lambda: self.client.get(self.prefix + "clock") or 0, self.local.now)
+            self._call(lambda: self.conn.client.get(self.prefix + "clock") or 0, self.local.now)
         )
 
     def stats_of(self, variant_id: str) -> VariantStats | None:
         def fetch() -> VariantStats | None:
-            got = self.client.hgetall(self.prefix + "hs:" + variant_id)
+            got = self.conn.client.hgetall(self.prefix + "hs:" + variant_id)
             if not got:
                 return None
             d = {k.decode(): v.decode() for k, v in got.items()}
@@ -332,7 +332,7 @@ class RedisTally:
         key = self.prefix + "hs:" + s.variant_id
 
         def write() -> None:
-            pipe = self.client.pipeline()
+            pipe = self.conn.client.pipeline()
             pipe.hset(key, mapping=mapping)
             pipe.expire(key, self.ttl_s)
             pipe.execute()
@@ -341,7 +341,8 @@ class RedisTally:
 
     def forget(self, variant_id: str) -> None:
         self.local.forget(variant_id)
-        self._call(lambda: self.client.delete(self.prefix + "hs:" + variant_id), lambda: None)
+        key = self.prefix + "hs:" + variant_id
+        self._call(lambda: self.conn.client.delete(key), lambda: None)
 
     def close(self) -> None:
         pass
