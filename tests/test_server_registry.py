@@ -169,11 +169,11 @@ def test_a_pin_deleted_through_another_replica_frees_this_ones_allowance(
     store = dataclasses.replace(store_in(tmp_path), max_pinned_bytes_per_namespace=6000)
     with replica_stack(small, store) as (a, a_store), replica_stack(small, store) as (b, b_store):
         fr = post(b, [FR], pin=True)[0]  # 4,096 bytes: one pin fits under the cap
-        assert ids(a) == ["fr"] and a_store.pinned_chunk_keys() == {fr["chunk_key"]}
+        assert ids(a) == ["fr"] and a_store.pinned().chunk_keys() == {fr["chunk_key"]}
         assert httpx.delete(f"{a}/v1/chunks/{fr['chunk_key']}", timeout=T).status_code == 200
         de = post(b, [DE], pin=True)[0]  # B's allowance is free again
-        assert b_store.pinned_chunk_keys() == {de["chunk_key"]}
-        assert ids(a) == ["de"] and a_store.pinned_chunk_keys() == {de["chunk_key"]}
+        assert b_store.pinned().chunk_keys() == {de["chunk_key"]}
+        assert ids(a) == ["de"] and a_store.pinned().chunk_keys() == {de["chunk_key"]}
 
 
 def test_a_read_only_registry_still_lists_and_registers_in_memory(

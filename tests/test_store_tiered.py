@@ -189,11 +189,11 @@ def test_pinned_variant_survives_eviction_until_removed() -> None:
     assert [m.variant_id for m in store.variants("p")] == [pinned.variant_id]
     got = store.load(pinned.variant_id)
     assert got is not None and torch.equal(got.keys, pinned.keys)
-    assert store.pinned_chunk_keys() == {"p"}
+    assert store.pinned().chunk_keys() == {"p"}
     assert store.stats().num_variants["pinned"] == 1
-    assert store.pinned_nbytes({"p", "o"}) == SIZE and store.pinned_nbytes({"o"}) == 0
+    assert store.pinned().nbytes({"p", "o"}) == SIZE and store.pinned().nbytes({"o"}) == 0
     assert store.remove("p") == 1
-    assert store.variants("p") == [] and store.pinned_chunk_keys() == set()
+    assert store.variants("p") == [] and store.pinned().chunk_keys() == set()
     store.check_integrity()
 
 
@@ -206,11 +206,11 @@ def test_pins_are_capped_per_namespace() -> None:
     store.pin(a2, "alice")  # pinned already: no-op, not counted twice
     with pytest.raises(PinLimitError, match=r"'alice' has 1024 bytes pinned.*=1024"):
         store.pin(a3, "alice")
-    assert store.pinned_chunk_keys() == {"a1", "a2"}  # the refused pin left nothing behind
+    assert store.pinned().chunk_keys() == {"a1", "a2"}  # the refused pin left nothing behind
     store.pin(make_variant("b1"), "bob")  # another tenant has its own allowance
     assert store.remove("a1") == 1
     store.pin(a3, "alice")  # room again
-    assert store.pinned_chunk_keys() == {"a2", "a3", "b1"}
+    assert store.pinned().chunk_keys() == {"a2", "a3", "b1"}
     store.clear()
     store.pin(a1, "alice")
     store.pin(a2, "alice")

@@ -40,7 +40,7 @@ def disk_store(root: Path, memory_bytes: int = 4 * SIZE) -> TieredStore:
 def writer_held(store: TieredStore) -> Iterator[None]:
     """The writer thread is busy until the block ends, so writes queued inside it wait."""
     gate = threading.Event()
-    store._writer.submit(gate.wait, 30)
+    store.writes._writer.submit(gate.wait, 30)
     try:
         yield
     finally:
@@ -130,7 +130,7 @@ def test_a_waiting_offer_first_lets_the_queued_write_end(tmp_path: Path) -> None
 
 def test_the_queue_is_bounded_then_offers_write_themselves(tmp_path: Path) -> None:
     store = disk_store(tmp_path, memory_bytes=64 * SIZE)
-    store.MAX_PENDING = 2
+    store.writes.max_pending = 2
     variants = [make_variant(f"c{i}") for i in range(4)]
     with writer_held(store):
         results = [store.offer(v, wait=False) for v in variants]

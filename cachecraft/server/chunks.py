@@ -71,7 +71,7 @@ def sync_pins(store: ChunkStore, registry: ChunkRegistry) -> None:
     longer recorded (their variants stay cached, evictable). A recorded pin that cannot be
     loaded now, or that this process's cap refuses, stays recorded."""
     recorded = registry.pins()
-    local = store.pinned_variant_ids()
+    local = store.pinned().variant_ids()
     for vid in local - recorded.keys():
         store.unpin(vid)
     for vid in recorded.keys() - local:
@@ -179,7 +179,7 @@ async def precompute_async(engine: Engine, *args: Any) -> dict[str, Any]:
 def list_chunks(store: ChunkStore, registry: ChunkRegistry, namespace: str) -> dict[str, Any]:
     """The namespace's registered chunks that are stored (a variant in some tier, or a pin
     recorded by any replica), as GET /v1/chunks answers."""
-    pinned = store.pinned_chunk_keys() | registry.pinned_keys(namespace)
+    pinned = store.pinned().chunk_keys() | registry.pinned_keys(namespace)
     data = []
     for key, (label, num_tokens) in sorted(registry.keys(namespace).items()):
         variants = store.variants(key)
@@ -204,6 +204,6 @@ def list_chunks(store: ChunkStore, registry: ChunkRegistry, namespace: str) -> d
         "num_chunks": len(data),
         "num_variants": sum(d["num_variants"] for d in data),
         "num_pinned": sum(1 for d in data if d["pinned"]),
-        "pinned_bytes": store.pinned_nbytes({d["chunk_key"] for d in data}),
+        "pinned_bytes": store.pinned().nbytes({d["chunk_key"] for d in data}),
     }
     return {"object": "list", "data": data, "stats": stats}

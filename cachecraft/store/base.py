@@ -1,7 +1,9 @@
 """ChunkStore: the whole interface callers (planner, runner, engine, server, benchmarks) use to
-reach chunk-caches, with the contract of each method. Nobody probes a store with `getattr`.
+reach chunk-caches, with the contract of each method; `PinView`, what it says about pins. Nobody
+probes a store with `getattr`.
 
-The one implementation is `store.TieredStore`; `memory.MemoryStore` is its memory-only, LRU
+The one implementation is `store.TieredStore` (its write-behind, prefetcher and pin set are
+collaborators behind this surface); `memory.MemoryStore` is its memory-only, LRU
 configuration. Tiers below it (`RamTier`, `DiskTier`, `RedisTier`) share one `put`/`get` shape
 (`tier.Tier`) and are not ChunkStores.
 """
@@ -69,114 +71,158 @@ class TierHealth(NamedTuple):
     while all is well."""
 
 
+class PinView(Protocol):
+    """What a store's pins are, for listing and per-tenant accounting (read-only)."""
+
+    def variant_ids(self) -> set[str]:
+        """Returns: the ids of every pinned variant."""
+        ...
+
+    def chunk_keys(self) -> set[str]:
+        """Returns: the chunk keys with at least one pinned variant."""
+        ...
+
+    def nbytes(self, chunk_keys: set[str] | None = None) -> int:
+        """Args: chunk_keys: the chunks to count (one tenant's), or None for all.
+
+        Returns: the bytes pinned for variants of those chunks."""
+        ...
+
+
 class ChunkStore(Protocol):
+    """Chunk-caches by chunk key and variant id. Thread-safe; no method raises for a missing
+    variant or an unreachable tier (a miss recomputes), except where it says so."""
+
     @property
     def storage_dtype(self) -> StorageDtype:
         """The dtype new variants' K/V are cast to before `offer` (the runner reads it)."""
         ...
 
+    # -- reads --------------------------------------------------------------------------
     def variants(self, chunk_key: str) -> list[VariantMeta]:
-        """Metadata of every stored variant of `chunk_key`, pinned ones included, each id once
-        (cheap: no tensors are read). An unreachable tier contributes nothing; never raises."""
+        """Args: chunk_key: the chunk asked for.
+
+        Returns: metadata of every stored variant of it, pinned ones included, each id once
+        (cheap: no tensors are read); an unreachable tier contributes nothing."""
         ...
 
     def load(self, variant_id: str) -> Variant | None:
-        """The variant's K/V, promoted into memory; None if it is gone (evicted, corrupt,
-        unreachable). Never raises for a missing variant."""
-        ...
+        """Args: variant_id: an id from `variants`.
 
-    def offer(self, variant: Variant, wait: bool = True) -> OfferResult:
-        """Offer a freshly computed variant; admission (doorkeeper, per-chunk cap, policy,
-        space) decides. Never raises for a refusal or a failed write: the result says whether
-        any tier stored it, why not (`OfferResult.reason`) and which write failed. Offering
-        a variant that is stored already refreshes it (its hit history is kept).
-
-        wait=False: admission and the memory tier act now; the disk and Redis writes may be
-        left to a background writer (`OfferResult.queued`), so that a caller on a serving
-        path does not wait for file writes and fsyncs."""
-        ...
-
-    def would_admit(self, chunk_key: str) -> bool:
-        """Would admission let in a variant of `chunk_key` offered by a request that misses it
-        now (its miss counted)? Cheap; the prefill skips attention statistics for chunks that
-        would be turned away. Space may still refuse it later."""
-        ...
-
-    def record_hit(self, variant_id: str, cfo: float) -> None:
-        """A request reused this variant, recomputing a fraction `cfo` of its tokens (feeds the
-        eviction policy; shared with other processes when the store is)."""
-        ...
-
-    def record_miss(self, chunk_key: str) -> None:
-        """A request needed `chunk_key` and no variant was found (one doorkeeper sighting)."""
-        ...
-
-    def prefetch(self, variant_ids: list[str]) -> None:
-        """Start bringing these variants from slow tiers into memory in the background; returns
-        at once. A later `load`/`open_layers` waits for an in-flight fetch instead of repeating
-        it. Unknown ids are ignored."""
+        Returns: the variant's K/V, promoted into memory; None if it is gone (evicted,
+        corrupt, unreachable)."""
         ...
 
     def open_layers(self, variant_id: str) -> LayerReader | None:
-        """A layer-wise reader of the variant's K/V (from memory as slices, from disk lazily
-        with read-ahead); None if the variant is nowhere. The caller closes it."""
+        """Args: variant_id: an id from `variants`.
+
+        Returns: a layer-wise reader of its K/V (from memory as slices, from disk lazily with
+        read-ahead), which the caller closes; None if the variant is nowhere."""
         ...
 
+    def prefetch(self, variant_ids: list[str]) -> None:
+        """Start bringing these variants from slow tiers into memory in the background;
+        returns at once. A later `load`/`open_layers` waits for an in-flight fetch instead of
+        repeating it. Unknown ids are ignored.
+
+        Args: variant_ids: ids from `variants`, of a request waiting in the queue."""
+        ...
+
+    # -- admission ----------------------------------------------------------------------
+    def offer(self, variant: Variant, wait: bool = True) -> OfferResult:
+        """Offer a freshly computed variant; admission (doorkeeper, per-chunk cap, policy,
+        space) decides. Offering a stored variant again refreshes it (its hit history kept).
+
+        Args:
+            variant: K/V already cast to `storage_dtype`, with its metadata.
+            wait: False lets the disk and Redis writes go to a background writer
+                (`OfferResult.queued`), so a caller on a serving path does not wait for file
+                writes and fsyncs; admission and the memory tier act at once either way.
+        Returns: whether any tier stored it, why not (`OfferResult.reason`) and which write
+            failed; a refusal or a failed write never raises."""
+        ...
+
+    def would_admit(self, chunk_key: str) -> bool:
+        """Args: chunk_key: a chunk the current request misses (its miss counted).
+
+        Returns: whether admission would let in a variant of it now (cheap; the prefill skips
+        attention statistics for chunks that would be turned away). Space may still refuse
+        it later."""
+        ...
+
+    def record_hit(self, variant_id: str, cfo: float) -> None:
+        """A request reused this variant (feeds the eviction policy; shared with other
+        processes when the store is).
+
+        Args:
+            variant_id: the variant reused.
+            cfo: the fraction of its tokens recomputed, in [0, 1]."""
+        ...
+
+    def record_miss(self, chunk_key: str) -> None:
+        """A request needed `chunk_key` and no variant was found (one doorkeeper sighting).
+
+        Args: chunk_key: the chunk missed."""
+        ...
+
+    # -- pins ---------------------------------------------------------------------------
     def pin(self, variant: Variant, namespace: str = "default") -> None:
         """Keep `variant` in memory and never evict it, nor its disk copy (a restart pins it
         again from there); it is served even when admission or capacity would refuse it, until
-        `unpin`, `remove` of its chunk or `clear`. The bytes count
-        against `namespace` (the tenant that asked); past `max_pinned_bytes_per_namespace`
-        it raises PinLimitError and pins nothing. Pinning a pinned variant again is a no-op."""
+        `unpin`, `remove` of its chunk or `clear`. Pinning a pinned variant again is a no-op.
+
+        Args:
+            variant: the variant to keep.
+            namespace: the tenant that asked; the bytes count against it.
+        Raises: PinLimitError, pinning nothing, past `max_pinned_bytes_per_namespace`."""
         ...
 
     def unpin(self, variant_id: str) -> bool:
         """Release a pin (its bytes stop counting against its namespace); the variant stays in
-        whichever tiers hold it, a copy held only by the pin is dropped. False if it was not
-        pinned."""
+        whichever tiers hold it, a copy held only by the pin is dropped.
+
+        Args: variant_id: the pinned variant.
+        Returns: False if it was not pinned."""
         ...
 
-    def pinned_variant_ids(self) -> set[str]:
-        """Ids of every pinned variant."""
+    def pinned(self) -> PinView:
+        """Returns: a live view of which variants are pinned and how many bytes, per chunk."""
         ...
 
-    def pinned_chunk_keys(self) -> set[str]:
-        """Chunk keys with at least one pinned variant."""
-        ...
-
-    def pinned_nbytes(self, chunk_keys: set[str]) -> int:
-        """Bytes pinned for variants of these chunk keys (one tenant's share)."""
-        ...
-
+    # -- removal ------------------------------------------------------------------------
     def remove(self, chunk_key: str) -> int:
-        """Unpin and drop every variant of `chunk_key` from every tier; returns how many
-        variant ids were dropped (0 if none). Raises StoreUnavailableError, having removed
-        nothing, when a shared tier is unreachable (its copies would outlive the removal)."""
+        """Unpin and drop every variant of `chunk_key` from every tier.
+
+        Args: chunk_key: the chunk to remove.
+        Returns: how many variant ids were dropped (0 if none).
+        Raises: StoreUnavailableError, having removed nothing, when a shared tier is
+            unreachable (its copies would outlive the removal)."""
         ...
 
     def forget_in_memory(self, chunk_key: str) -> int:
         """Unpin and drop every variant of `chunk_key` from this process's memory tiers only,
-        leaving disk and Redis as they are (another process sharing them removed it there);
-        returns how many variant ids were dropped."""
+        leaving disk and Redis as they are (another process sharing them removed it there).
+
+        Args: chunk_key: the chunk removed elsewhere.
+        Returns: how many variant ids were dropped."""
         ...
 
     def clear(self) -> None:
         """Drop every variant (pinned ones too) from every tier, shared tiers included."""
         ...
 
+    # -- operations ---------------------------------------------------------------------
     def stats(self) -> StoreStats:
-        """A snapshot of the counters with current bytes and counts per tier."""
+        """Returns: a snapshot of the counters, with current bytes and counts per tier."""
         ...
 
     def health(self) -> list[TierHealth]:
-        """Each configured tier, top down, with whether it is reachable now."""
-        ...
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError unless every tier is internally consistent and within capacity
-        and the per-chunk cap holds (tests call this after every step)."""
+        """Returns: each configured tier, top down, with whether it is reachable now and, when
+        it is degraded, why (`TierHealth.detail`). The store is degraded while any tier is
+        unreachable: it still answers, from the tiers it can reach."""
         ...
 
     def close(self) -> None:
-        """Finish background work and release files and connections. Idempotent."""
+        """Finish background work (queued writes, prefetches) and release files and
+        connections. Idempotent."""
         ...
