@@ -16,6 +16,7 @@ import torch
 from cachecraft.config import ReuseConfig
 from cachecraft.engine.engine import Engine, EngineConfig, RequestOptions
 from cachecraft.engine.offline import Submission, run_requests
+from cachecraft.engine.precompute import prefill_in_full
 from cachecraft.engine.report import RequestReport
 from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams, TokenLogprobs
@@ -258,10 +259,7 @@ class LLM:
 
     def _compute_in_full(self, request: RagRequest, only_last: bool) -> list[str]:
         with self._lock:
-            plan = self.runner.plan(request, "cachecraft", lookup=False)
-            job = self.runner.start(plan, precompute=True)
-            result = self.loaded.model.forward_step([job.work])[0]
-            outcome = self.runner.finish(job, result)
+            outcome = prefill_in_full(self.runner, request)
             self.runner.commit(outcome)
         made = outcome.variants[-1:] if only_last else outcome.variants
         return [

@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from cachecraft.engine.engine import Engine
+from cachecraft.engine.precompute import prefill_in_full
 from cachecraft.errors import PinLimitError
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.reuse.layout import PromptLayout
@@ -125,11 +126,8 @@ def precompute(
     or that a write failed ("write_failed": disk full or unwritable; the variant may still be
     served from memory, `stored`) is reported in `not_stored_reason`, with the words in
     `not_stored_detail`."""
-    runner = engine.runner
-    plan = runner.plan(request, "cachecraft", lookup=False, layout=layout)
-    job = runner.start(plan, precompute=True)
-    outcome = runner.finish(job, runner.loaded.model.forward_step([job.work])[0])
-    variant = runner.variants(outcome)[-1]
+    outcome = prefill_in_full(engine.runner, request, layout)
+    variant = engine.runner.variants(outcome)[-1]
     offered = store.offer(variant)
     if offered.reason == "doorkeeper":
         offered = store.offer(variant)

@@ -15,10 +15,13 @@ class ServerConfig:
     Limits (413 above them): max_request_bytes of body; max_prompt_chars of message / prompt /
     system text per request; max_document_chars per document. watchdog_s: /health says 503
     when one unit of engine work (a step, an admission round, a chunk precompute) runs longer.
-    metrics_public: /metrics without an API key (default: a key is needed when keys are set).
+    metrics_public: /metrics and /health's store-wide figures for everyone (default: only with
+    an admin key when keys are set). public_docs: /docs, /redoc and /openapi.json served while
+    keys are set (without keys they always are).
     shutdown_timeout_s: how long a stopping server waits for open requests."""
 
     api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
     share_namespace: bool = False
     max_documents: int = 16
     max_document_chars: int = 8000
@@ -26,6 +29,9 @@ class ServerConfig:
     than its length (bundled model, one thread: 573 tokens 2.0 s, 2,427 tokens 21.9 s), so
     this bounds how long one document can hold every other request."""
     max_prompt_chars: int = 32000
+    max_prompts: int = 128
+    """Prompts in one completion's `prompt` list (a 400 above it, before any is tokenized):
+    each is an engine request, so a long list only waits for the queue to refuse it."""
     pasted_chunk_chars: int = PASTED_CHUNK_CHARS
     """Context pasted into the last message (or a completion's prompt) is cut into paragraphs
     (blank lines, and lines this long) and so into chunk-caches, a paragraph this long closing
@@ -33,6 +39,7 @@ class ServerConfig:
     max_request_bytes: int = 4 * 1024 * 1024
     watchdog_s: float = 120.0
     metrics_public: bool = False
+    public_docs: bool = False
     shutdown_timeout_s: float = 10.0
     default_max_tokens: int = 256
     default_temperature: float = 0.0
@@ -45,7 +52,16 @@ class ServerConfig:
     `/tokenizer_info` follow. Off: a text prompt is a chat turn (its pasted context
     chunk-caches); token-id prompts and `echo` are raw either way."""
 
+    @property
+    def is_secured(self) -> bool:
+        """Keys are set: callers are told apart (tenants, the operator, anonymous)."""
+        return bool(self.api_keys or self.admin_keys)
+
     def __post_init__(self) -> None:
+        if set(self.api_keys) & set(self.admin_keys):
+            raise ValueError("an admin key must not also be an API key")
+        if self.max_prompts < 1:
+            raise ValueError("max_prompts must be >= 1")
         if self.max_documents < 0 or self.max_document_chars < 1:
             raise ValueError("max_documents must be >= 0 and max_document_chars >= 1")
         if min(self.max_prompt_chars, self.max_request_bytes) < 1:
