@@ -18,6 +18,7 @@ from cachecraft.engine.engine import EngineStopped
 from cachecraft.engine.scheduler import QueueFull
 from cachecraft.errors import CachecraftError
 from cachecraft.server.config import ServerConfig
+from cachecraft.server.logprobs import NonFiniteOutput
 from cachecraft.server.protocol import error_body
 
 
@@ -164,9 +165,13 @@ def install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
     async def stopped(_: Request, exc: EngineStopped) -> JSONResponse:
         return error_response(503, str(exc), "server_error")
 
+    async def non_finite(_: Request, exc: NonFiniteOutput) -> JSONResponse:
+        return error_response(500, str(exc), "server_error", "non_finite_output")
+
     app.add_exception_handler(RequestValidationError, invalid)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http)  # type: ignore[arg-type]
     app.add_exception_handler(ApiError, api)  # type: ignore[arg-type]
     app.add_exception_handler(CachecraftError, bad)  # type: ignore[arg-type]
     app.add_exception_handler(QueueFull, full)  # type: ignore[arg-type]
     app.add_exception_handler(EngineStopped, stopped)  # type: ignore[arg-type]
+    app.add_exception_handler(NonFiniteOutput, non_finite)  # type: ignore[arg-type]

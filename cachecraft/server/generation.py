@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cachecraft.engine.handle import (
     Failed,
@@ -33,6 +33,7 @@ from cachecraft.request import Chunk, RagRequest
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.logprobs import (
     Entry,
+    NonFiniteOutput,
     chat_logprobs,
     completion_logprobs,
     vllm_prompt_logprobs,
@@ -395,7 +396,15 @@ async def respond(
     if gens[0].chat and gens[0].prompt_logprobs_k is not None:
         body["prompt_logprobs"] = gens[0].prompt_logprobs  # vLLM's: the request's, not a choice's
     body["usage"] = total_usage(gens, n)
-    return JSONResponse(body)
+    return Response(_dumps(body), media_type="application/json")
+
+
+def _dumps(obj: dict[str, Any]) -> str:
+    """Strict JSON (no NaN or infinity anywhere: a client's parser would refuse the answer)."""
+    try:
+        return json.dumps(obj, allow_nan=False)
+    except ValueError:
+        raise NonFiniteOutput("the answer holds a non-finite number; it was not sent") from None
 
 
 async def _collect(gen: Generation) -> str:
@@ -418,7 +427,7 @@ async def _sse(
     gens: list[Generation], include_usage: bool, n: int, continuous_usage: bool
 ) -> AsyncIterator[str]:
     def event(obj: dict[str, Any]) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
+        return f"data: {_dumps(obj)}\n\n"
 
     def chunk_event(g: Generation, choice: dict[str, Any], made: int) -> str:
         obj = head.envelope([choice], stream=True)

@@ -8,16 +8,40 @@ Each entry is a token and its `TokenLogprobs` (engine/sampling.py; None for an e
 prompt's first token, which nothing comes before: null in the response); a token's text is
 what the tokenizer decodes it to alone (a piece of a multi-byte character shows as U+FFFD, as
 vLLM shows it), its `bytes` that text's UTF-8.
+
+JSON has no NaN or infinity: a log-probability of -inf (a token the sampling settings rule
+out) is written as -9999.0, OpenAI's and vLLM's stand-in; NaN or +inf means the forward went
+wrong, so the answer sampled from it is wrong too, and `NonFiniteOutput` fails the request
+(OpenAI's schema makes `logprob` a number, never null, so a null would break typed clients).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from cachecraft.engine.sampling import TokenLogprobs
 
 Entry = tuple[int, TokenLogprobs | None]
+
+MIN_LOGPROB = -9999.0
+"""OpenAI's and vLLM's JSON stand-in for a log-probability of -inf."""
+
+
+class NonFiniteOutput(Exception):
+    """The model's output held NaN or +inf: the request fails (HTTP 500, or an error event in
+    a stream) rather than answer from it."""
+
+
+def finite(logprob: float) -> float:
+    """`logprob` as JSON can carry it: -inf as MIN_LOGPROB; NaN or +inf raise."""
+    if math.isnan(logprob) or logprob == math.inf:
+        raise NonFiniteOutput(
+            f"the model produced a non-finite log-probability ({logprob}); the answer cannot "
+            "be trusted and was not sent"
+        )
+    return max(logprob, MIN_LOGPROB)
 
 
 def _text(tokenizer: Any, token_id: int) -> str:
@@ -26,7 +50,7 @@ def _text(tokenizer: Any, token_id: int) -> str:
 
 def _item(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
     text = _text(tokenizer, token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(tokenizer: Any, entries: list[Entry]) -> dict[str, Any]:
@@ -49,21 +73,17 @@ def completion_logprobs(tokenizer: Any, entries: list[Entry], offset: int) -> di
         offset += len(tokens[-1])
     return {
         "tokens": tokens,
-        "token_logprobs": [None if lp is None else lp.logprob for _, lp in entries],
+        "token_logprobs": [None if lp is None else finite(lp.logprob) for _, lp in entries],
         "top_logprobs": [
-            None if lp is None else {_text(tokenizer, t): v for t, v in lp.top} for _, lp in entries
+            None if lp is None else {_text(tokenizer, t): finite(v) for t, v in lp.top}
+            for _, lp in entries
         ],
         "text_offset": offsets,
     }
 
 
-VLLM_MIN_LOGPROB = -9999.0
-"""vLLM's JSON stand-in for a log-probability of -inf (JSON has no infinities)."""
-
-
 def _vllm_logprob(tokenizer: Any, logprob: float, rank: int, token_id: int) -> dict[str, Any]:
-    value = max(logprob, VLLM_MIN_LOGPROB) if logprob == logprob else logprob  # nan stays
-    return {"logprob": value, "rank": rank, "decoded_token": _text(tokenizer, token_id)}
+    return {"logprob": finite(logprob), "rank": rank, "decoded_token": _text(tokenizer, token_id)}
 
 
 def vllm_prompt_logprobs(
