@@ -1,8 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic) plus our extensions.
 
-Unknown fields are accepted and ignored (extra="allow"), except the OpenAI fields this server
-cannot honour (`unsupported_fields`: tools, response_format, vLLM's guided decoding, ...),
-which are refused by name as vLLM does, and input it cannot read (non-text content parts),
+Unknown fields are accepted and ignored (extra="allow"; their text must still be valid Unicode),
+except the OpenAI fields this server cannot honour (`unsupported_fields`: tools,
+response_format, store, metadata, reasoning_effort, web_search_options, vLLM's guided
+decoding, ...), which are refused by name as vLLM does, and input it cannot read (non-text
+content parts),
 refused with what to send instead. `model` may be left out (the served model), as in vLLM.
 Every string must be encodable UTF-8 (no lone surrogates such as "\\ud800"). Extensions:
 `documents`, `cache_namespace`, `cachecraft_mode`, `ignore_eos`, and vLLM's `top_k`, `min_p`,
@@ -47,8 +49,39 @@ StrictStr = Annotated[_StrictStr, AfterValidator(check_utf8)]
 """A JSON string that is valid Unicode (what the tokenizer and every response can carry)."""
 
 
+def _bad_text(value: Any, path: str) -> str | None:
+    """Where in an ignored extra value a string is not valid Unicode (None: nowhere)."""
+    if isinstance(value, str):
+        try:
+            check_utf8(value)
+        except ValueError as e:
+            return f"{path}: {e}"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = _bad_text(k, path) or _bad_text(v, f"{path}.{k}")
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _bad_text(v, f"{path}.{i}")
+            if found:
+                return found
+    return None
+
+
 class _Lenient(BaseModel):
+    """Fields it does not declare are accepted and ignored, but their text must be valid
+    Unicode as everywhere else (a lone surrogate is refused, named by its path)."""
+
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _extras_are_text(self) -> Any:
+        for name, value in (self.model_extra or {}).items():
+            found = _bad_text(name, name) or _bad_text(value, name)
+            if found:
+                raise ValueError(found)
+        return self
 
 
 MAX_ID_CHARS = 256
@@ -94,6 +127,8 @@ class TextPart(_Lenient):
 class Message(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
+    """OpenAI's participant name: accepted, not read (the template has no place for it)."""
 
     @field_validator("content", mode="before")
     @classmethod
@@ -150,6 +185,11 @@ class _Generation(_Lenient):
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: each prompt token's log-probability and the k most likely tokens' there (the
     request runs as a full prefill: every prompt row's logits are read)."""
+    user: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
+    safety_identifier: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
+    prompt_cache_key: StrictStr | None = Field(default=None, max_length=MAX_ID_CHARS)
+    """OpenAI's end-user ids and cache routing hint: accepted, with nothing to do here (no
+    abuse monitoring; chunk-caches are found by content, whatever the key)."""
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
     """vLLM's: requests share cached K/V only with requests of the same salt (here: a cache
     namespace of the salt's hash, inside `cache_namespace` when both are given)."""
@@ -167,8 +207,12 @@ class _Generation(_Lenient):
     def _check_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         """OpenAI's: token ids (as strings) to a bias in [-100, 100]."""
         for key, bias in (v or {}).items():
-            if not key.isdigit() or int(key) >= 2**31:
-                raise ValueError(f"{key!r} is not a token id")
+            # isdigit alone passes "²" and other digits int() cannot read
+            if not (key.isascii() and key.isdigit()) or int(key) >= 2**31:
+                raise ValueError(
+                    f"key {key!r} must be a token id (a non-negative integer as a string, "
+                    'e.g. "42")'
+                )
             if not -100 <= bias <= 100:
                 raise ValueError(f"the bias of token {key} must be in [-100, 100]")
         return v
@@ -362,6 +406,14 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (None, False),
     "prompt_embeds": (None,),
     "return_tokens_as_token_ids": (None, False),
+    # OpenAI's, for what this server does not do: no stored completions, no web search, no
+    # reasoning or verbosity setting, one service tier
+    "store": (None, False),
+    "metadata": (None, {}),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "service_tier": (None, "auto", "default"),
 }
 
 
