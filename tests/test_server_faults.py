@@ -33,8 +33,10 @@ LIMITS = ServerConfig(
     max_request_bytes=64 * 1024,
     watchdog_s=0.5,
     api_keys=("key-a", "key-b"),
+    admin_keys=("key-admin",),
 )
 A = {"Authorization": "Bearer key-a"}
+ADMIN = {"Authorization": "Bearer key-admin"}
 B = {"Authorization": "Bearer key-b"}
 T = 60.0  # seconds: far beyond any answer here; reaching it means a hang
 CHAT = "/v1/chat/completions"
@@ -262,9 +264,11 @@ def test_health_says_503_and_requests_end_when_the_engine_is_dead(small: LoadedM
 
 
 # ---- defect 10: tenants --------------------------------------------------------------------
-def test_metrics_need_a_key_unless_public(srv: Served, small: LoadedModel) -> None:
+def test_metrics_need_the_admin_key_unless_public(srv: Served, small: LoadedModel) -> None:
     openai_error(httpx.get(srv.url + "/metrics", timeout=T), 401)
-    assert srv.get("/metrics").status_code == 200
+    err = openai_error(srv.get("/metrics"), 403)  # a tenant's key: store-wide figures are not its
+    assert "admin" in err["message"] and err["code"] == "admin_key_required"
+    assert srv.get("/metrics", headers=ADMIN).status_code == 200
     public = ServerConfig(api_keys=("k",), metrics_public=True)
     with serving(small, public) as s:
         assert httpx.get(s.url + "/metrics", timeout=T).status_code == 200

@@ -44,11 +44,20 @@ def create_app(
     chunks the store no longer holds are dropped."""
     config = config or ServerConfig()
     # redirect_slashes off: `DELETE /v1/chunks/` is a 404/405, never a 307 to another route
-    app = FastAPI(title="cachecraft", version="0.1.0", redirect_slashes=False)
+    # the API's schema and pages name every route and field: with keys set, the operator's
+    docs = not config.is_secured or config.public_docs
+    app = FastAPI(
+        title="cachecraft",
+        version="0.1.0",
+        redirect_slashes=False,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
     state = ServerState(
         engine, store, config, registry or ChunkRegistry(), ServerMetrics(engine, store)
     )
-    num_pins = chunks.restore_pins(store, state.registry)
+    num_pins = chunks.restore_pins(store, state.registry, state.owner)
     if num_pins:
         log.info("restored %d pinned chunk-caches", num_pins)
     chunks.forget_unstored(store, state.registry)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from cachecraft.engine.engine import Engine
@@ -36,8 +37,16 @@ REFUSALS: dict[RefusalReason, str] = {
 }
 """The words for each OfferResult.reason in a precompute answer."""
 
+Owner = Callable[[str], str]
+"""A namespace's tenant, whose pin budget a pin in that namespace counts against
+(`auth.tenant_of`); the identity when each namespace is its own budget."""
 
-def restore_pins(store: ChunkStore, registry: ChunkRegistry) -> int:
+
+def _same(namespace: str) -> str:
+    return namespace
+
+
+def restore_pins(store: ChunkStore, registry: ChunkRegistry, owner: Owner = _same) -> int:
     """Pin again what the registry says was pinned (a restart empties the store's memory);
     a pinned variant no longer stored anywhere is forgotten. Returns how many were pinned."""
     num_pinned = 0
@@ -48,7 +57,7 @@ def restore_pins(store: ChunkStore, registry: ChunkRegistry) -> int:
             registry.unpin(vid)
             continue
         try:
-            store.pin(variant, namespace)
+            store.pin(variant, owner(namespace))
         except PinLimitError as e:
             log.warning("pin of %s not restored: %s", vid, e)
             registry.unpin(vid)
@@ -57,16 +66,16 @@ def restore_pins(store: ChunkStore, registry: ChunkRegistry) -> int:
     return num_pinned
 
 
-def follow_registry(store: ChunkStore, registry: ChunkRegistry) -> None:
+def follow_registry(store: ChunkStore, registry: ChunkRegistry, owner: Owner = _same) -> None:
     """Catch up with what other processes sharing the registry did: drop this process's
     memory copies of chunks they deleted, then `sync_pins`. Cheap (two indexed reads) unless
     there is something to do; runs before each request that uses or lists chunks."""
     for key in registry.removals():
         store.forget_in_memory(key)
-    sync_pins(store, registry)
+    sync_pins(store, registry, owner)
 
 
-def sync_pins(store: ChunkStore, registry: ChunkRegistry) -> None:
+def sync_pins(store: ChunkStore, registry: ChunkRegistry, owner: Owner = _same) -> None:
     """Make this process's pins the ones the registry records (replicas sharing it pin and
     delete through each other): pin what is recorded and can be loaded, release local pins no
     longer recorded (their variants stay cached, evictable). A recorded pin that cannot be
@@ -80,7 +89,7 @@ def sync_pins(store: ChunkStore, registry: ChunkRegistry) -> None:
         if variant is None:
             continue
         try:
-            store.pin(variant, recorded[vid][0])
+            store.pin(variant, owner(recorded[vid][0]))
         except PinLimitError as e:
             log.debug("pin of %s recorded by another process not taken here: %s", vid, e)
 
@@ -118,6 +127,7 @@ def precompute(
     request: RagRequest,
     layout: PromptLayout | None,
     pin: bool,
+    owner: Owner = _same,
 ) -> dict[str, Any]:
     """Step thread: compute one document alone after the system prompt and store it.
 
@@ -125,7 +135,8 @@ def precompute(
     (chunk seen once) is repeated. Why the store turned the variant away (`OfferResult.reason`)
     or that a write failed ("write_failed": disk full or unwritable; the variant may still be
     served from memory, `stored`) is reported in `not_stored_reason`, with the words in
-    `not_stored_detail`."""
+    `not_stored_detail`. A pin counts against `owner(namespace)`'s budget; `durable` says
+    whether it will outlive a restart (its disk copy and its registry row were written)."""
     outcome = prefill_in_full(engine.runner, request, layout)
     variant = engine.runner.variants(outcome)[-1]
     offered = store.offer(variant)
@@ -133,13 +144,15 @@ def precompute(
         offered = store.offer(variant)
     label = request.chunks[0].id
     registry.add(request.namespace, variant.chunk_key, label, variant.meta.num_tokens)
+    durable = False
     if pin:  # recorded first: a concurrent `sync_pins` must not release the new pin
-        registry.pin(request.namespace, variant.chunk_key, variant.variant_id)
-        try:
-            store.pin(variant, request.namespace)  # PinLimitError: a 400 naming the cap
+        recorded = registry.pin(request.namespace, variant.chunk_key, variant.variant_id)
+        try:  # PinLimitError: a 400 naming the cap
+            on_disk = store.pin(variant, owner(request.namespace))
         except PinLimitError:
             registry.unpin(variant.variant_id)
             raise
+        durable = recorded and on_disk
     row: dict[str, Any] = {
         "id": label,
         "chunk_key": variant.chunk_key,
@@ -148,6 +161,8 @@ def precompute(
         "stored": offered.stored or pin,
         "pinned": pin,
     }
+    if pin:
+        row["durable"] = durable
     if offered.write_error is not None:
         row["not_stored_reason"] = "write_failed"
         row["not_stored_detail"] = f"disk write failed: {offered.write_error}"

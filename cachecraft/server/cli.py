@@ -57,7 +57,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         dest="api_keys",
         action="append",
         default=[],
-        help="accepted bearer key (repeatable; none given: no auth)",
+        help="accepted bearer key, one tenant each (repeatable; none given: no auth)",
+    )
+    p.add_argument(
+        "--admin-key",
+        dest="admin_keys",
+        action="append",
+        default=[],
+        help="the operator's bearer key (repeatable): /metrics and /health's store-wide figures",
+    )
+    p.add_argument(
+        "--public-docs",
+        action="store_true",
+        help="serve /docs, /redoc and /openapi.json while keys are set (default: off then)",
     )
     p.add_argument(
         "--share-namespace",
@@ -105,10 +117,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument("--max-variants-per-chunk", type=int, default=store.max_variants_per_chunk)
     p.add_argument(
+        "--max-pinned-bytes-per-key",
         "--max-pinned-bytes-per-namespace",
+        dest="max_pinned_bytes_per_namespace",
         type=int,
         default=store.max_pinned_bytes_per_namespace,
-        help="bytes one namespace may pin with POST /v1/chunks (default: no cap)",
+        help="bytes one API key may pin with POST /v1/chunks, over all its cache_namespace and "
+        "cache_salt values (without keys: all clients together; default: no cap)",
     )
     p.add_argument(
         "--storage-dtype", default=store.storage_dtype, choices=("float16", "bfloat16", "float32")
@@ -143,6 +158,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="characters of message / prompt / system text per request (413 above)",
     )
     p.add_argument(
+        "--max-prompts",
+        type=int,
+        default=server.max_prompts,
+        help="prompts in one completion's prompt list (400 above)",
+    )
+    p.add_argument(
         "--pasted-chunk-chars",
         type=int,
         default=server.pasted_chunk_chars,
@@ -170,7 +191,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument(
         "--metrics-public",
         action="store_true",
-        help="serve /metrics without an API key (default: a key is needed when keys are set)",
+        help="serve /metrics and /health's store-wide figures to everyone (default: only to "
+        "--admin-key when keys are set)",
     )
     p.add_argument(
         "--shutdown-timeout-s",
@@ -204,6 +226,9 @@ def main_serve(args: argparse.Namespace) -> int:
     try:  # a bad flag value is one line naming the setting, not a traceback
         server = ServerConfig(
             api_keys=tuple(args.api_keys),
+            admin_keys=tuple(args.admin_keys),
+            public_docs=args.public_docs,
+            max_prompts=args.max_prompts,
             share_namespace=args.share_namespace,
             max_documents=args.max_documents,
             max_document_chars=args.max_document_chars,

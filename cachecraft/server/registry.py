@@ -274,12 +274,15 @@ class ChunkRegistry:
             return keys
 
     # -- pins -----------------------------------------------------------------------------
-    def pin(self, namespace: str, chunk_key: str, variant_id: str) -> None:
+    def pin(self, namespace: str, chunk_key: str, variant_id: str) -> bool:
+        """Record a pin; True when the file holds it now (a restart will restore it), False
+        in memory only (no file, or the file refused the write: retried later)."""
         with self._lock:
             self._pins[variant_id] = (namespace, chunk_key)
             self._write(
                 "INSERT OR REPLACE INTO pins VALUES (?,?,?)", (variant_id, namespace, chunk_key)
             )
+            return self._path is not None and not self._pending
 
     def unpin(self, variant_id: str) -> None:
         with self._lock:

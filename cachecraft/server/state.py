@@ -15,6 +15,7 @@ from cachecraft.engine.engine import Engine
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import RagRequest
 from cachecraft.reuse.layout import PromptLayout
+from cachecraft.server.auth import tenant_of
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.metrics import ServerMetrics
 from cachecraft.server.registry import ChunkRegistry
@@ -48,6 +49,10 @@ class ServerState:
     @property
     def max_ctx(self) -> int:
         return self.loaded.arch.max_position_embeddings
+
+    def owner(self, namespace: str) -> str:
+        """The tenant whose pin budget a pin in `namespace` counts against."""
+        return tenant_of(namespace, self.config)
 
     async def layout(self, rag: RagRequest) -> PromptLayout:
         """The request's layout (tokens, keys; context length checked) off the step thread."""

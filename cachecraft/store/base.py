@@ -166,7 +166,7 @@ class ChunkStore(Protocol):
         ...
 
     # -- pins ---------------------------------------------------------------------------
-    def pin(self, variant: Variant, namespace: str = "default") -> None:
+    def pin(self, variant: Variant, namespace: str = "default") -> bool:
         """Keep `variant` in memory and never evict it, nor its disk copy (a restart pins it
         again from there); it is served even when admission or capacity would refuse it, until
         `unpin`, `remove` of its chunk or `clear`. Pinning a pinned variant again is a no-op.
@@ -174,6 +174,8 @@ class ChunkStore(Protocol):
         Args:
             variant: the variant to keep.
             namespace: the tenant that asked; the bytes count against it.
+        Returns: whether the pin is durable: its disk copy exists (a restart can pin it again);
+            False without a disk tier or when writing the copy failed.
         Raises: PinLimitError, pinning nothing, past `max_pinned_bytes_per_namespace`."""
         ...
 

@@ -371,11 +371,11 @@ class TieredStore(Placement):
             return [s.variant_id for s in self.policy.order([s for s in known if s], self._tick)]
 
     # -- pinning --------------------------------------------------------------------------
-    def pin(self, variant: Variant, namespace: str = "default") -> None:
+    def pin(self, variant: Variant, namespace: str = "default") -> bool:
         vid = variant.variant_id
         with self._lock:
             if not self.pins.add(variant, namespace):  # pinned already: nothing to do
-                return
+                return self.disk is not None and vid in self.disk
             on_disk = self.disk is None or vid in self.disk
             if not on_disk:
                 st = self._stats_of(vid) or VariantStats(
@@ -389,6 +389,8 @@ class TieredStore(Placement):
                 logger.warning(
                     "pinned variant %s is not on disk (%s): unpinned at restart", vid, why
                 )
+                return False
+        return self.disk is not None
 
     def unpin(self, variant_id: str) -> bool:
         with self._lock:

@@ -25,7 +25,7 @@ async def add_chunks(body: ChunksRequest, ns: Namespace, state: State) -> dict[s
     check_documents(state.config, body.documents)
     check_system(state.config, body.system)
     scope = scoped(ns, body.cache_namespace)
-    await asyncio.to_thread(chunks.follow_registry, state.store, state.registry)
+    await asyncio.to_thread(chunks.follow_registry, state.store, state.registry, state.owner)
     rows = []
     for i, d in enumerate(body.documents):  # one engine call each: generation interleaves
         rag = chunks.precompute_request(d.passage, d.id, scope, body.system)
@@ -33,7 +33,7 @@ async def add_chunks(body: ChunksRequest, ns: Namespace, state: State) -> dict[s
         try:
             rows.append(
                 await chunks.precompute_async(
-                    state.engine, state.store, state.registry, rag, layout, body.pin
+                    state.engine, state.store, state.registry, rag, layout, body.pin, state.owner
                 )
             )
         except PinLimitError as e:  # say what was done: the documents before it are pinned
@@ -51,7 +51,7 @@ async def list_chunks(
     scope = scoped(ns, checked_query(cache_namespace))
 
     def listing() -> dict[str, Any]:  # a store lookup per chunk: off the event loop
-        chunks.follow_registry(state.store, state.registry)
+        chunks.follow_registry(state.store, state.registry, state.owner)
         return chunks.list_chunks(state.store, state.registry, scope)
 
     return await asyncio.to_thread(listing)

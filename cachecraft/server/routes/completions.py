@@ -65,7 +65,7 @@ async def generate(
     rags = to_rags(body, ns, config)
     if any(r.chunks or r.system_chunks for r in rags):
         # what other replicas deleted must not be served from memory here
-        await asyncio.to_thread(chunks.follow_registry, state.store, state.registry)
+        await asyncio.to_thread(chunks.follow_registry, state.store, state.registry, state.owner)
     sampling = sampling_of(body, config)
     check_vocabulary(state, "logit_bias", [t for t, _ in sampling.logit_bias])
     check_vocabulary(state, "stop_token_ids", sampling.stop_token_ids)
