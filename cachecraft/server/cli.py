@@ -120,10 +120,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--max-pinned-bytes-per-key",
         "--max-pinned-bytes-per-namespace",
         dest="max_pinned_bytes_per_namespace",
+        metavar="BYTES",
         type=int,
         default=store.max_pinned_bytes_per_namespace,
-        help="bytes one API key may pin with POST /v1/chunks, over all its cache_namespace and "
-        "cache_salt values (without keys: all clients together; default: no cap)",
+        help="bytes one API key may pin with POST /v1/chunks, over all its cache_namespace "
+        "values (without keys: all clients together; default: no cap)",
     )
     p.add_argument(
         "--storage-dtype", default=store.storage_dtype, choices=("float16", "bfloat16", "float32")
