@@ -27,7 +27,7 @@ from cachecraft.reuse.layout import build_layout
 from cachecraft.reuse.modes import probe_cost
 from cachecraft.reuse.plan import RecomputePlan
 from cachecraft.reuse.planner import matched_budgets
-from cachecraft.server.generation import to_rag
+from cachecraft.server.convert import to_rag
 from cachecraft.server.launch import Stack, build_stack, close_stack, start_server
 from cachecraft.server.protocol import ChatCompletionRequest
 from cachecraft.store.memory import MemoryStore, memory_config

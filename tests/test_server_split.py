@@ -20,7 +20,7 @@ from cachecraft.model.loader import LoadedModel
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.reuse.layout import SYSTEM_END, build_layout
 from cachecraft.server.config import ServerConfig
-from cachecraft.server.generation import to_rag
+from cachecraft.server.convert import to_rag
 from cachecraft.server.launch import start_server
 from cachecraft.server.protocol import ChatCompletionRequest, CompletionRequest
 from cachecraft.server.split import history_chunks, pasted_chunks

@@ -16,14 +16,9 @@ from pydantic import ValidationError
 from cachecraft.errors import CachecraftError
 from cachecraft.server import chunks
 from cachecraft.server.auth import Namespace, salted, scoped
+from cachecraft.server.convert import choice_sampling, sampling_of, to_rags
 from cachecraft.server.errors import ApiError, refuse
-from cachecraft.server.generation import (
-    Generation,
-    choice_sampling,
-    respond,
-    sampling_of,
-    to_rags,
-)
+from cachecraft.server.generation import Generation, respond
 from cachecraft.server.protocol import ChatCompletionRequest, CompletionRequest
 from cachecraft.server.responses import (
     ResponseBuilder,

@@ -10,8 +10,8 @@ from typing import Any
 from fastapi import APIRouter
 
 from cachecraft.server.auth import Namespace
+from cachecraft.server.convert import to_rags
 from cachecraft.server.errors import ApiError
-from cachecraft.server.generation import to_rags
 from cachecraft.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
