@@ -39,6 +39,7 @@ from cachecraft.server.protocol import (
     error_body,
     usage,
 )
+from cachecraft.server.state import ServerState
 
 
 class Generation:
@@ -46,7 +47,7 @@ class Generation:
 
     def __init__(
         self,
-        app_state: Any,
+        app_state: ServerState,
         handle: RequestHandle,
         chat: bool,
         model: str,
