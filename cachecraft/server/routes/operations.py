@@ -37,7 +37,7 @@ def tenant_stats(state: ServerState, tenant: str) -> dict[str, Any]:
     return {
         "num_chunks": len(keys),
         "num_pinned": len(pinned),
-        "pinned_bytes": state.store.pinned_nbytes(pinned),
+        "pinned_bytes": state.store.pinned().nbytes(pinned),
     }
 
 
