@@ -1,11 +1,16 @@
 """`cachecraft bench decode`: the time of one decode step over B sequences, ours vs vLLM.
 
-Ours runs through the engine the server runs (scheduler, one forward step, sampling): B
-requests of about `context` prompt tokens each decode together, and a step counts when it
-decoded exactly B sequences and prefilled nothing (median over those steps). vLLM (the peer,
-from its own venv, prefix caching on, same thread count) decodes the same B prompts as token
-ids: its step is (T(1 + steps tokens) - T(1 token)) / steps over repeated, prefix-cached
-prompts, so both timings hold the same short cached prefill and cancel it.
+One clock for both sides (`step_ms`): a step runs from the moment the batch is formed to its
+tokens being available, measured offline the same way for us and for vLLM: B prompts of the
+same `context` token ids are generated with 1 token and with 1 + `steps` tokens, and the step
+is (T(1 + steps) - T(1)) / steps (medians of `repeats` pairs), so scheduling, batch assembly,
+sampling and the gaps between steps count on both sides and the prefill cancels. Our engine's
+token budget fits every prefill of a batch in one step, as vLLM's prefix-cached prompts do,
+so no decode row rides along a later prefill.
+
+Ours is also timed the engine's way (`engine_step_ms`): the median of the engine steps that
+decoded exactly B sequences and prefilled nothing (forward and sampling only). Both are
+reported; `clocks_disagree` marks the B where they differ by more than `DISAGREE`.
 
 Both sides stay loaded for the whole run and take turns, B by B, `rounds` times: ours, then
 vLLM, then ours again... (never at the same time). This VM's speed drifts by 20-30% over
@@ -48,6 +53,10 @@ from cachecraft_bench.peer_vllm import signal_group, vllm_env
 
 DEFAULT_BATCHES = (1, 4, 16, 32)
 DEFAULT_ROUNDS = 2
+DEFAULT_REPEATS = 3
+"""Pairs of offline runs (1 token, 1 + steps tokens) per measurement; medians taken."""
+DISAGREE = 0.10
+"""Relative gap between the offline and the engine clock past which `clocks_disagree` is set."""
 
 
 def _prompt_ids(m: LoadedModel, context: int, seed: int) -> list[int]:
@@ -61,28 +70,27 @@ def _prompt_ids(m: LoadedModel, context: int, seed: int) -> list[int]:
 class OursDecode:
     """Our engine, built once, timing decode steps at any B up to `max_batch`."""
 
-    def __init__(self, m: LoadedModel, max_batch: int, context: int, steps: int) -> None:
-        self.m, self.context, self.steps = m, context, steps
+    def __init__(
+        self, m: LoadedModel, max_batch: int, context: int, steps: int, repeats: int
+    ) -> None:
+        self.m, self.context, self.steps, self.repeats = m, context, steps, repeats
         self.config = EngineConfig(
-            token_budget=max(2048, max_batch),
+            # every prefill of a batch in one step: vLLM's cached prompts prefill in one too
+            token_budget=max(2048, max_batch * (context + 8)),
             max_running=max_batch,
             max_queue=max_batch,
             mode="full",
         )
         self.stack = build_stack(loaded=m, store=memory_config(1 << 20), engine=self.config)
 
-    def measure(self, b: int) -> float | None:
-        """Median engine step time (ms) with exactly `b` sequences decoding."""
-        m, engine = self.m, self.stack.engine
-        first = len(engine.recent_steps)
-        # long enough that the first request still decodes when the last one's prefill is
-        # done (prefills share the token budget), then `steps` steps with all b
-        admit_steps = -(-b * (self.context + 64) // self.config.token_budget) + 1
-        sampling = SamplingParams(max_tokens=self.steps + 1 + admit_steps, ignore_eos=True)
-        handles = []
-        for i in range(b):
-            text = m.tokenizer.decode(_prompt_ids(m, self.context, 1000 * b + i))
-            handles.append(engine.submit(RagRequest(text, []), sampling))
+    def _generate(self, b: int, max_tokens: int) -> float:
+        """Seconds from submitting `b` prompts (the batch formed) to all `max_tokens` tokens of
+        every one of them being available."""
+        engine = self.stack.engine
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        prompts = [_prompt_ids(self.m, self.context, 1000 * b + i) for i in range(b)]
+        t0 = time.perf_counter()
+        handles = [engine.submit(RagRequest("", prompt_ids=ids), sampling) for ids in prompts]
         for h in handles:
             while True:
                 event = h.get(timeout=1800)
@@ -90,6 +98,26 @@ class OursDecode:
                     raise CachecraftError(f"decode bench request failed: {event.error}")
                 if isinstance(event, Finished):
                     break
+        return time.perf_counter() - t0
+
+    def measure_offline(self, b: int) -> float | None:
+        """(T(1 + steps) - T(1)) / steps in ms at `b` sequences: the clock vLLM's side uses."""
+        self._generate(b, 1)  # one-off costs (first use of these shapes) out of the pairs
+        one, many = [], []
+        for _ in range(self.repeats):
+            one.append(self._generate(b, 1))
+            many.append(self._generate(b, 1 + self.steps))
+        ms = 1000 * (statistics.median(many) - statistics.median(one)) / self.steps
+        return round(ms, 1) if ms > 0 else None
+
+    def measure(self, b: int) -> float | None:
+        """Median engine step time (ms) with exactly `b` sequences decoding (forward and
+        sampling; the engine's own clock)."""
+        engine = self.stack.engine
+        first = len(engine.recent_steps)
+        # the whole batch prefills in one step (the token budget), then `steps` steps with all b
+        admit_steps = -(-b * (self.context + 64) // self.config.token_budget) + 1
+        self._generate(b, self.steps + 1 + admit_steps)
         times = [
             s.ms
             for s in list(engine.recent_steps)[first:]
@@ -126,8 +154,8 @@ def main():
             one.append(run(1))
             many.append(run(1 + cfg["steps"]))
         one.sort(); many.sort()
-        ms = round(1000 * (many[len(many) // 2] - one[len(one) // 2]) / cfg["steps"], 1)
-        print("RESULT " + json.dumps(ms), flush=True)
+        ms = 1000 * (many[len(many) // 2] - one[len(one) // 2]) / cfg["steps"]
+        print("RESULT " + json.dumps(round(ms, 1) if ms > 0 else None), flush=True)
 
 if __name__ == "__main__":
     main()
@@ -146,7 +174,7 @@ class VllmDecode:
         steps: int,
         threads: int,
         python: str | Path,
-        repeats: int = 3,
+        repeats: int = DEFAULT_REPEATS,
         timeout_s: float = 1200.0,
     ) -> None:
         python = Path(python).absolute()
@@ -202,7 +230,7 @@ class VllmDecode:
         raise CachecraftError(f"vLLM decode run failed (exit {code}):\n{tail}")
 
     def measure(self, b: int) -> float | None:
-        """vLLM's decode step time (ms) at `b` sequences."""
+        """vLLM's decode step time (ms) at `b` sequences, on the offline clock."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"{b}\n")
         self.proc.stdin.flush()
@@ -233,16 +261,18 @@ def run_decode_bench(
     peer_python: str | Path = ".peer-venv/bin/python",
     rounds: int = DEFAULT_ROUNDS,
     progress: Callable[[str], None] | None = None,
+    repeats: int = DEFAULT_REPEATS,
 ) -> dict[str, Any]:
     """Both sides with `threads` threads, taking turns B by B, `rounds` times (see the
-    module doc); step_ms holds each side's median over the rounds. `progress(line)`: one
-    line of news per measurement (the CLI prints it)."""
+    module doc). `step_ms` holds each side's median over the rounds on the offline clock,
+    `engine_step_ms` ours on the engine's; `step_ratio_vs_vllm` is the median of the rounds'
+    offline ratios. `progress(line)`: one line of news per measurement (the CLI prints it)."""
     if not batches or any(b < 1 for b in batches):
         raise CachecraftError(f"batch sizes must be >= 1, got {list(batches)}")
     if context < 8 or steps < 2:
         raise CachecraftError("--context must be >= 8 and --steps >= 2")
-    if rounds < 1:
-        raise CachecraftError(f"--rounds must be >= 1, got {rounds}")
+    if rounds < 1 or repeats < 1:
+        raise CachecraftError(f"--rounds and --repeats must be >= 1, got {rounds}, {repeats}")
     if peer not in (None, "vllm"):
         raise CachecraftError(f"unknown peer {peer!r}; choose vllm")
     if peer == "vllm" and not Path(peer_python).exists():  # before loading anything
@@ -252,15 +282,16 @@ def run_decode_bench(
     per_round: dict[str, dict[str, list[float | None]]] = {
         side: {str(b): [] for b in batches} for side in sides
     }
+    engine_rounds: dict[str, list[float | None]] = {str(b): [] for b in batches}
     with contextlib.ExitStack() as stack:
         with torch_threads(threads):  # the engine's step thread takes this count
-            ours = OursDecode(m, max(batches), context, steps)
+            ours = OursDecode(m, max(batches), context, steps, repeats)
         stack.callback(ours.close)
-        measures = {"ours": ours.measure}
+        measures = {"ours": ours.measure_offline}
         if peer == "vllm":
             if progress is not None:
                 progress("starting vLLM (about a minute)")
-            vllm = VllmDecode(m, batches, context, steps, threads, peer_python)
+            vllm = VllmDecode(m, batches, context, steps, threads, peer_python, repeats)
             stack.callback(vllm.close)
             measures["vllm"] = vllm.measure
         for b in batches:
@@ -270,7 +301,9 @@ def run_decode_bench(
                     per_round[side][str(b)].append(ms)
                     if progress is not None:
                         progress(f"{side} B={b} round {r + 1}/{rounds}: {ms} ms")
+                engine_rounds[str(b)].append(ours.measure(b))
     step_ms = {side: {b: _median(v) for b, v in per_b.items()} for side, per_b in per_round.items()}
+    engine_ms = {b: _median(v) for b, v in engine_rounds.items()}
     result: dict[str, Any] = {
         "config": {
             "model": m.name,
@@ -279,10 +312,18 @@ def run_decode_bench(
             "steps": steps,
             "threads": threads,
             "rounds": rounds,
+            "repeats": repeats,
             "peer": peer,
+            "clock": "offline: (T(1 + steps tokens) - T(1 token)) / steps, batch formed to "
+            "tokens available, both sides",
         },
         "step_ms": step_ms,
         "rounds_ms": per_round,
+        "engine_step_ms": {"ours": engine_ms},
+        "engine_rounds_ms": {"ours": engine_rounds},
+        "clocks_disagree": {
+            b: clocks_disagree(step_ms["ours"][b], engine_ms[b]) for b in engine_ms
+        },
     }
     if peer == "vllm":
         result["step_ratio_vs_vllm"] = {
@@ -302,6 +343,14 @@ def run_decode_bench(
     return result
 
 
+def clocks_disagree(offline_ms: float | None, engine_ms: float | None) -> bool | None:
+    """Whether the two clocks of one B differ by more than `DISAGREE` of the engine's (None
+    when either is missing)."""
+    if not offline_ms or not engine_ms:
+        return None
+    return abs(offline_ms - engine_ms) > DISAGREE * engine_ms
+
+
 def _median(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return round(statistics.median(known), 3) if known else None
@@ -318,6 +367,12 @@ def add_bench_decode_parser(subparsers: Any) -> Any:
         type=int,
         default=DEFAULT_ROUNDS,
         help="turns each side takes per B (medians reported)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="pairs of offline runs (1 and 1 + steps tokens) per measurement (medians taken)",
     )
     parser.add_argument("--peer", choices=("vllm",), default=None)
     parser.add_argument("--peer-python", default=".peer-venv/bin/python")
@@ -344,13 +399,15 @@ def main_decode_bench(args: Any) -> int:
         args.peer_python,
         args.rounds,
         lambda line: print(f"[bench decode] {line}", file=sys.stderr, flush=True),
+        args.repeats,
     )
     if args.json:
         print(json.dumps(result, indent=2))  # CLI output
         return 0
     print(
         f"decode step, {args.context}-token context, {args.threads} thread(s), "
-        f"median of {args.rounds} round(s), ms (tokens/s)"
+        f"median of {args.rounds} round(s), ms (tokens/s); offline clock on both sides, "
+        "ours on the engine's clock beside it"
     )
     for b in result["step_ms"]["ours"]:
         row = [f"B={b:>3}"]
@@ -358,6 +415,7 @@ def main_decode_bench(args: Any) -> int:
             ms = per_b.get(b)
             tps = result["tokens_per_s"][side].get(b)
             row.append(f"{side} {ms} ({tps})")
+        row.append(f"ours engine clock {result['engine_step_ms']['ours'][b]}")
         if "step_ratio_vs_vllm" in result:
             row.append(f"ours/vllm {result['step_ratio_vs_vllm'][b]}")
         print("  ".join(row))
