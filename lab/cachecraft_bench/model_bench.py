@@ -1,5 +1,10 @@
 """`cachecraft bench model`: our prefill vs HF transformers' forward, side by side in one run.
 
+Fair to transformers: both sides compute the logits of the last position only (HF with
+`logits_to_keep=1`, as ours does; all n rows would cost HF an n x vocab LM head and a logits
+tensor that dominated its peak memory), in the same dtype (HF loaded in ours), and peak memory
+is measured the same way for both (`peak_prefill_bytes`, one fresh subprocess each).
+
 Also checks fidelity: max abs logit difference (fp32) and 32 greedy tokens vs HF `generate`,
 and the miss path: time to first token of a 5-chunk RAG request whose chunks all miss, in
 `cachecraft` and `prefix` mode over `full` (what statistics and bookkeeping cost a miss).
@@ -45,6 +50,19 @@ def _prompt_ids(m: LoadedModel, n: int) -> torch.Tensor:
 
 def _ours_prefill(m: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     return prefill(m, ids)[0]
+
+
+def load_hf(m: LoadedModel) -> Any:
+    """HF transformers' model of `m`'s weights, in `m`'s dtype, for inference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(m.source, dtype=m.model.dtype).eval()
+
+
+def hf_prefill(hf: Any, ids: torch.Tensor) -> torch.Tensor:
+    """HF's forward over `ids` [n], the logits of the last position only: [1, 1, vocab]."""
+    with torch.inference_mode():
+        return hf(ids[None], logits_to_keep=1).logits
 
 
 def _time(fn: Any, repeats: int) -> float:
@@ -123,14 +141,11 @@ def peak_prefill_bytes(kind: str, n: int, spec: str | None = None) -> int:
     m = load_model(spec)
     ids, warm = _prompt_ids(m, n), _prompt_ids(m, 32)
     if kind == "hf":
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(m.source, dtype=torch.float32).eval()
+        hf = load_hf(m)
         del m.model  # only HF's weights stay resident
 
         def run(x: torch.Tensor) -> None:
-            with torch.inference_mode():
-                hf(x[None])
+            hf_prefill(hf, x)
     else:
 
         def run(x: torch.Tensor) -> None:
@@ -210,9 +225,7 @@ def miss_ttft(m: LoadedModel, repeats: int = 5, chunk_tokens: int = 200) -> dict
 def run_model_bench(
     m: LoadedModel, lengths: tuple[int, ...] = (512, 1024, 2048), repeats: int = 5
 ) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(m.source, dtype=torch.float32).eval()
+    hf = load_hf(m)
     msgs = [{"role": "user", "content": "Explain in two sentences why caching helps."}]
     chat = torch.tensor(
         m.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
@@ -228,22 +241,23 @@ def run_model_bench(
     rows = {}
     for n in lengths:
         ids = _prompt_ids(m, n)
-        with torch.inference_mode():
-            t_hf = _time(lambda ids=ids: hf(ids[None]).logits, repeats)
+        t_hf = _time(lambda ids=ids: hf_prefill(hf, ids), repeats)
         t_ours = _time(lambda ids=ids: _ours_prefill(m, ids), repeats)
         spec = None if m.name == "SmolLM2-135M-Instruct" else str(m.source)
-        mem_ours = _peak_in_subprocess("ours", n, spec) or 0
-        mem_hf = _peak_in_subprocess("hf", n, spec) or 0
+        mem_ours = _peak_in_subprocess("ours", n, spec)
+        mem_hf = _peak_in_subprocess("hf", n, spec)
         rows[str(len(ids))] = {
             "ours_ms": round(1000 * t_ours, 1),
             "hf_ms": round(1000 * t_hf, 1),
             "speedup": round(t_hf / t_ours, 3),
-            "ours_peak_mib": round(mem_ours / 2**20, 1),
-            "hf_peak_mib": round(mem_hf / 2**20, 1),
+            "ours_peak_mib": None if mem_ours is None else round(mem_ours / 2**20, 1),
+            "hf_peak_mib": None if mem_hf is None else round(mem_hf / 2**20, 1),
         }
     miss = miss_ttft(m, repeats)
     return {
         "model": m.name,
+        "dtype": str(m.model.dtype).removeprefix("torch."),
+        "hf_logits": "last position only (logits_to_keep=1), as ours",
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "miss_ttft_ms": miss["ttft_ms"],
