@@ -1,6 +1,7 @@
 """Every environment variable cachecraft reads or sets, and the one process-wide allocator
 setting it makes, in one place. Nothing else in the library touches `os.environ` (the vLLM
-peer benchmark passes the environment on to its child, less OPENMP_WAIT_VARS).
+peer benchmark passes the environment on to its child, with or without our tuning:
+`tuned_child_env`).
 
 * `XDG_CACHE_HOME` (read): where converted models are cached, `$XDG_CACHE_HOME/cachecraft`
   (default `~/.cache/cachecraft`).
@@ -16,6 +17,9 @@ peer benchmark passes the environment on to its child, less OPENMP_WAIT_VARS).
 * `CXX` (read): the C++ compiler that builds that kernel (default `g++`, else `c++`).
 * `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` (read): set by the user, they win over
   `tune_allocator`.
+* `CACHECRAFT_TUNING` (read): `off` (or 0, false, no) makes `set_passive_openmp` and
+  `tune_allocator` do nothing: the libraries' own defaults, as a benchmark that runs every
+  system untuned needs (`tuned_child_env`).
 
 One OpenMP team computes (`torch_threads`): each thread that runs a parallel torch operation
 gets its own team of OpenMP workers, and once the workers of all teams outnumber the cores,
@@ -40,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-"""What `set_passive_openmp` sets; the vLLM peer's child runs without them (its own defaults)."""
+"""What `set_passive_openmp` sets (`tuned_child_env` gives them to other processes or not)."""
 
 SPIN_COUNT = 20000
 """Spins before an idle OpenMP worker sleeps (GNU OpenMP's own default is 300,000)."""
@@ -80,9 +84,40 @@ def child_env(python_path: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": python_path + (os.pathsep + path if path else "")}
 
 
+TUNING_VAR = "CACHECRAFT_TUNING"
+MALLOC_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def tuning_enabled() -> bool:
+    """False when `CACHECRAFT_TUNING` is 0, false, no or off (any case)."""
+    value = os.environ.get(TUNING_VAR, "on").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def tuned_child_env(base: dict[str, str], tuned: bool) -> dict[str, str]:
+    """`base` (a child's environment) with our OpenMP and allocator tuning given as variables
+    any process honours (glibc reads the MALLOC_ ones at start; a `cachecraft` child sees them
+    set and keeps them), or, with `tuned` False, without any of them and with
+    `CACHECRAFT_TUNING=off`: the same settings for every system of a comparison either way."""
+    env = {k: v for k, v in base.items() if k not in (*OPENMP_WAIT_VARS, *MALLOC_VARS)}
+    if not tuned:
+        env[TUNING_VAR] = "off"
+        return env
+    env.pop(TUNING_VAR, None)
+    env.update(
+        OMP_WAIT_POLICY="PASSIVE",
+        GOMP_SPINCOUNT=str(SPIN_COUNT),
+        MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD),
+        MALLOC_TRIM_THRESHOLD_=str(TRIM_THRESHOLD),
+    )
+    return env
+
+
 def set_passive_openmp() -> None:
-    """OMP_WAIT_POLICY=PASSIVE with a short spin, unless the user chose otherwise; call before
-    importing torch."""
+    """OMP_WAIT_POLICY=PASSIVE with a short spin, unless the user chose otherwise or turned
+    tuning off; call before importing torch."""
+    if not tuning_enabled():
+        return
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
 
@@ -93,7 +128,7 @@ def tune_allocator() -> bool:
     of 0.5-5 MB, and on this CPU their page faults made a full prefill of 800 tokens ~10%
     slower (elementwise operations ran at half speed). Process-wide and idempotent; True when
     applied (glibc on Linux, and the user set neither MALLOC_ variable)."""
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or not tuning_enabled():
         return False
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False

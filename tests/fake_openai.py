@@ -1,8 +1,9 @@
 """A fake OpenAI-compatible SSE server for the load generator and serving-bench tests.
 
 Chat: `delay_s` per content chunk (or a per-`cachecraft_mode` delay), usage with a cachecraft
-report; `reject`/`fail` give 429/500. Completions (the vLLM stand-in) count prefix-cache
-queries/hits in /metrics like vLLM does. Runs under uvicorn on a free loopback port.
+report; `reject`/`fail` give 429/500; GET /fake/modes lists the modes asked for. Completions
+(the vLLM stand-in) count prefix-cache queries/hits in /metrics like vLLM does. Runs under
+uvicorn on a free loopback port.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def fake_app() -> FastAPI:
     app = FastAPI()
     counters = {"queries": 0, "hits": 0}
     seen: set[tuple[int, ...]] = set()
+    modes: list[str | None] = []  # every chat request's cachecraft_mode, in arrival order
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> object:
@@ -42,6 +44,7 @@ def fake_app() -> FastAPI:
         if body.get("fail"):
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         mode = body.get("cachecraft_mode")
+        modes.append(mode)
         delay = float(body.get("delay_s", MODE_DELAY_S.get(mode, CHUNK_DELAY_S)))
         prompt = 100 if mode is None else 10 + 100 * len(body.get("documents", []))
         computed = 30 if mode is None else round(MODE_COMPUTED[mode] * prompt)
@@ -84,6 +87,10 @@ def fake_app() -> FastAPI:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/fake/modes")
+    async def modes_seen() -> object:
+        return modes
 
     @app.get("/metrics")
     async def metrics() -> object:

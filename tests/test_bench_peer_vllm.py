@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from cachecraft_bench.peer_vllm import PeerError, VllmServer, parse_prefix_cache_stats, vllm_env
+from cachecraft.env import MMAP_THRESHOLD, SPIN_COUNT
+from cachecraft_bench.peer_vllm import (
+    PeerConfig,
+    PeerError,
+    VllmServer,
+    parse_prefix_cache_stats,
+    vllm_env,
+)
 
 # the shape vLLM 0.32 writes (two engines here, to check label sets are summed)
 METRICS = """\
@@ -25,19 +32,46 @@ vllm:external_prefix_cache_hits_total{engine="0",model_name="cachecraft-peer"} 9
 """
 
 
-def test_peer_runs_with_its_own_openmp_waiting(
+def test_peer_gets_the_same_tuning_as_every_system_or_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Our command's OMP_WAIT_POLICY / GOMP_SPINCOUNT stay ours; the peer gets its thread
-    count, KV space and cache directory."""
+    """Untuned (the default), the OpenMP waiting and allocator settings our command chose for
+    itself do not reach vLLM; tuned, vLLM gets exactly ours. Either way it gets its thread
+    count, KV space and cache directory, and never our PYTHONPATH."""
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "20000")
     monkeypatch.setenv("PYTHONPATH", "/ours")
     env = vllm_env(2, 3, tmp_path)
-    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
+    assert not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MALLOC_MMAP_THRESHOLD_"} & set(env)
     assert "PYTHONPATH" not in env
     assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("2", "3")
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path)
+    tuned = vllm_env(2, 3, tmp_path, tuned=True)
+    assert tuned["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert tuned["GOMP_SPINCOUNT"] == str(SPIN_COUNT)
+    assert tuned["MALLOC_MMAP_THRESHOLD_"] == str(MMAP_THRESHOLD)
+
+
+def test_a_reserved_front_end_core_leaves_the_rest_to_compute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    env = vllm_env(2, 2, tmp_path, reserved_cpus=1)
+    assert (env["VLLM_CPU_NUM_OF_RESERVED_CPU"], env["OMP_NUM_THREADS"]) == ("1", "1")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(sorted(os.sched_getaffinity(0))[0])
+
+
+def test_peer_config_sets_the_command_line(tmp_path: Path) -> None:
+    default = VllmServer(tmp_path, python=tmp_path / "python").command()
+    assert "--enforce-eager" in default
+    assert default[default.index("--max-num-batched-tokens") + 1] == "2048"
+    free = VllmServer(
+        tmp_path,
+        python=tmp_path / "python",
+        config=PeerConfig(enforce_eager=False, max_num_batched_tokens=None),
+    ).command()
+    assert "--enforce-eager" not in free and "--max-num-batched-tokens" not in free
+    assert PeerConfig(reserved_cpus=1).label() == "eager, batched tokens 2048, reserved cores 1"
 
 
 def test_peer_gets_as_many_cores_as_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -97,3 +97,22 @@ def test_engine_step_thread_keeps_its_creators_thread_count(tiny: LoadedModel) -
     finally:
         torch.set_num_threads(want)  # the count new threads start with, for later tests
     assert got == want == stack.engine.num_threads
+
+
+def test_a_child_gets_our_tuning_or_none_of_it() -> None:
+    base = {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE", "MALLOC_TRIM_THRESHOLD_": "5"}
+    tuned = env.tuned_child_env(base, True)
+    assert tuned["OMP_WAIT_POLICY"] == "PASSIVE" and tuned["GOMP_SPINCOUNT"] == str(env.SPIN_COUNT)
+    assert tuned["MALLOC_MMAP_THRESHOLD_"] == str(env.MMAP_THRESHOLD)
+    assert tuned["MALLOC_TRIM_THRESHOLD_"] == str(env.TRIM_THRESHOLD)
+    bare = env.tuned_child_env(base, False)
+    assert bare == {"PATH": "/bin", "CACHECRAFT_TUNING": "off"}
+
+
+def test_tuning_off_leaves_openmp_and_the_allocator_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHECRAFT_TUNING", "off")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env.set_passive_openmp()
+    assert "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+    assert env.tune_allocator() is False

@@ -46,7 +46,7 @@ from cachecraft.api import (
     memory_config,
     resolve_model_dir,
 )
-from cachecraft.env import torch_threads
+from cachecraft.env import torch_threads, tuning_enabled
 from cachecraft.errors import CachecraftError
 from cachecraft.request import RagRequest
 from cachecraft_bench.peer_vllm import signal_group, vllm_env
@@ -203,7 +203,8 @@ class VllmDecode:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=vllm_env(threads, 2, tmp / "cache"),
+            # the OpenMP and allocator tuning this process runs with, the same for vLLM
+            env=vllm_env(threads, 2, tmp / "cache", tuned=tuning_enabled()),
             cwd=tmp,
             start_new_session=True,
         )

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from cachecraft.env import child_env
+from cachecraft.env import child_env, tuned_child_env
 from cachecraft_bench.peer_vllm import free_port, stop_session, wait_healthy
 
 STARTUP_TIMEOUT_S = 300.0
@@ -44,15 +44,23 @@ def server_command(mode: str, port: int, extra_args: Sequence[str] = ()) -> list
     ]
 
 
+def _env(tuned: bool | None) -> dict[str, str]:
+    env = child_env(str(Path(__file__).resolve().parents[2]))  # holds cachecraft/
+    return env if tuned is None else tuned_child_env(env, tuned)
+
+
 @contextlib.contextmanager
 def server_process(
     mode: str,
     extra_args: Sequence[str] = (),
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    tuned: bool | None = None,
 ) -> Iterator[str]:
     """Start `cachecraft serve` in `mode` (plus `extra_args`) in a child process and yield its
     base URL once /health answers 200; stop it (SIGINT, then SIGKILL after a grace period)
-    on exit. A child that exits or stays unhealthy is an error carrying its log's tail."""
+    on exit. A child that exits or stays unhealthy is an error carrying its log's tail.
+    `tuned`: our OpenMP and allocator tuning (True) or none (False), as every system of the
+    comparison gets (`tuned_child_env`); None leaves the environment as it is."""
     port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="cachecraft-bench-server-"))
     log_path = tmp / "server.log"
@@ -63,7 +71,7 @@ def server_process(
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=tmp,
-            env=child_env(str(Path(__file__).resolve().parents[2])),  # holds cachecraft/
+            env=_env(tuned),
             start_new_session=True,
         )
     try:

@@ -1,7 +1,8 @@
 """The real peer: vLLM's OpenAI server with automatic prefix caching, run from its own venv.
 
-`VllmServer` starts it as a subprocess on a free loopback port (fp32, 32-token blocks, eager,
-its OpenMP threads bound to as many cores as ours use) and stops it; `prefix_cache_stats`
+`VllmServer` starts it as a subprocess on a free loopback port (fp32, 32-token blocks, its
+OpenMP threads bound to as many cores as ours use, a `PeerConfig`: eager or compiled, its
+batched-token limit, a core reserved for its front end or none) and stops it; `prefix_cache_stats`
 reads its prefix-cache counters from /metrics. The venv comes from `make peer-vllm`, never
 from `make setup`; nothing here imports vllm.
 """
@@ -18,13 +19,14 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachecraft.env import OPENMP_WAIT_VARS
+from cachecraft.env import tuned_child_env
 from cachecraft.errors import CachecraftError
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,28 @@ PREFIX_CACHE_METRICS = {
     "queries": "vllm:prefix_cache_queries",
     "hits": "vllm:prefix_cache_hits",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    """The settings of vLLM a fair comparison tries (`peer_tuning`); the defaults are the ones
+    first used here."""
+
+    enforce_eager: bool = True
+    """Eager PyTorch (start-up ~30 s) or vLLM's compiled graphs (minutes to start)."""
+    max_num_batched_tokens: int | None = 2048
+    """Prompt and decode tokens per step: ours (`EngineConfig.token_budget`) or None for
+    vLLM's default."""
+    reserved_cpus: int = 0
+    """Cores kept for vLLM's front end (its default on CPU is one); the rest compute."""
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def label(self) -> str:
+        eager = "eager" if self.enforce_eager else "compiled"
+        tokens = self.max_num_batched_tokens or "default"
+        return f"{eager}, batched tokens {tokens}, reserved cores {self.reserved_cpus}"
 
 
 class PeerError(CachecraftError):
@@ -64,30 +88,34 @@ def stop_session(proc: subprocess.Popen, sig: signal.Signals, grace_s: float) ->
     return stopped
 
 
-def vllm_env(num_threads: int, kvcache_gib: float, cache_root: Path) -> dict[str, str]:
+def vllm_env(
+    num_threads: int,
+    kvcache_gib: float,
+    cache_root: Path,
+    tuned: bool = False,
+    reserved_cpus: int = 0,
+) -> dict[str, str]:
     """The environment of a vLLM child process: our environment plus the settings that make
-    the comparison fair on this CPU (`num_threads` cores, a fixed KV space, a private cache
-    directory), without our PYTHONPATH (never leak our venv's packages into the peer) and
-    without the OpenMP waiting the `cachecraft` command chose for itself (`OPENMP_WAIT_VARS`):
-    vLLM runs with its own defaults, as its users run it (inheriting OMP_WAIT_POLICY=PASSIVE
-    made its decode step at B=16 take ~2x as long).
+    the comparison fair on this CPU (`num_threads` cores, `reserved_cpus` of them kept for
+    its front end, a fixed KV space, a private cache directory), without our PYTHONPATH (never
+    leak our venv's packages into the peer), and with exactly the OpenMP and allocator tuning
+    every system of the comparison gets (`tuned`: ours, else none: `tuned_child_env`).
 
     vLLM's CPU worker ignores OMP_NUM_THREADS: by default it binds one OpenMP thread to every
     core of its NUMA node. So the thread count is given as its bind list, the first
     `num_threads` CPUs we may run on (a list the caller set in VLLM_CPU_OMP_THREADS_BIND is
     kept). Before this, `bench decode --threads 1` set one of our threads against two of
     vLLM's."""
+    workers = max(1, num_threads - reserved_cpus)
     env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(num_threads),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        **tuned_child_env(dict(os.environ), tuned),
+        "OMP_NUM_THREADS": str(workers),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus),
         "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
         "VLLM_CACHE_ROOT": str(cache_root),
     }
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind_list(num_threads))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind_list(workers))
     env.pop("PYTHONPATH", None)
-    for name in OPENMP_WAIT_VARS:
-        env.pop(name, None)
     return env
 
 
@@ -155,6 +183,8 @@ class VllmServer:
         startup_timeout_s: float = 600.0,
         extra_args: Sequence[str] = (),
         dtype: str = "float32",
+        config: PeerConfig | None = None,
+        tuned: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.python = Path(python).absolute()  # absolute, not resolved: keep the venv symlink
@@ -164,6 +194,8 @@ class VllmServer:
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = tuple(extra_args)
         self.dtype = dtype
+        self.config = config or PeerConfig()
+        self.tuned = tuned
         self.model_name = SERVED_MODEL_NAME
         self.port: int | None = None
         self.startup_s: float | None = None
@@ -198,7 +230,12 @@ class VllmServer:
             "--block-size",
             str(self.block_size),
             "--enable-prefix-caching",
-            "--enforce-eager",
+            *(["--enforce-eager"] if self.config.enforce_eager else []),
+            *(
+                ["--max-num-batched-tokens", str(self.config.max_num_batched_tokens)]
+                if self.config.max_num_batched_tokens
+                else []
+            ),
             "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
             *self.extra_args,
@@ -213,7 +250,13 @@ class VllmServer:
             self.model_dir = resolve_model_dir(None)
         self.port = free_port()
         self._tmp = Path(tempfile.mkdtemp(prefix="cachecraft-vllm-"))
-        env = vllm_env(self.num_threads, self.kvcache_gib, self._tmp / "cache")
+        env = vllm_env(
+            self.num_threads,
+            self.kvcache_gib,
+            self._tmp / "cache",
+            self.tuned,
+            self.config.reserved_cpus,
+        )
         logger.info("starting vLLM on port %d (log %s)", self.port, self.log_path)
         t0 = time.perf_counter()
         try:

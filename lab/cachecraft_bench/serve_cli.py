@@ -13,16 +13,21 @@ import sys
 
 from cachecraft.errors import CachecraftError
 from cachecraft_bench.own_server import server_process
+from cachecraft_bench.peer_vllm import PeerConfig
 from cachecraft_bench.serve_bench import (
     DEFAULT_BURSTS,
+    DEFAULT_FRACTIONS,
     DEFAULT_MAX_RUNS,
     DEFAULT_MODES,
     DEFAULT_RATES,
     DEFAULT_REFINE,
+    DEFAULT_REPEATS,
+    ENV_TUNINGS,
     PEERS,
     ServerFactory,
     run_serve_bench,
 )
+from cachecraft_bench.serve_parts import Parts
 from cachecraft_bench.trace import CLIENTS
 
 
@@ -37,6 +42,19 @@ def _parse_rates(text: str) -> list[float]:
             f"--rates takes positive numbers like 0.1,0.2, got {text!r}"
         )
     return rates
+
+
+def _parse_fractions(text: str) -> list[float]:
+    """--capacity-fractions: numbers in (0, 1], comma-separated; empty: none."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = [-1.0]
+    if not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"--capacity-fractions takes numbers in (0, 1] like 0.5,0.8, got {text!r}"
+        )
+    return values
 
 
 def add_bench_serve_parser(
@@ -61,7 +79,42 @@ def add_bench_serve_parser(
         default=DEFAULT_MAX_RUNS,
         help="rates per system at most (the ramp stops earlier once a system saturates)",
     )
-    parser.add_argument("--requests", type=int, default=16, help="requests per rate and mode")
+    parser.add_argument("--requests", type=int, default=8, help="requests per run")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="runs per point of a curve (a system at a rate), each over its own requests; "
+        "CIs are over them",
+    )
+    parser.add_argument(
+        "--capacity-fractions",
+        type=_parse_fractions,
+        default=list(DEFAULT_FRACTIONS),
+        help="after the bursts, a point per system at these fractions of its own capacity "
+        "(latencies compared at equal load; empty: none)",
+    )
+    parser.add_argument(
+        "--peer-config",
+        choices=("search", "first"),
+        default="search",
+        help="search: try vLLM's plausible configurations (eager or compiled, its batched-token "
+        "limit ours or its default, a front-end core reserved or not) on one burst each and "
+        "keep the best; first: eager, 2,048 batched tokens, no reserved core, untried",
+    )
+    parser.add_argument(
+        "--env-tuning",
+        choices=ENV_TUNINGS,
+        default="none",
+        help="OpenMP waiting and allocator tuning, the same for every system: none (each "
+        "library's defaults) or ours (cachecraft's, given to vLLM too)",
+    )
+    parser.add_argument(
+        "--no-answer-check",
+        dest="check_answers",
+        action="store_false",
+        help="skip replaying the measured requests in full mode to check every answer",
+    )
     parser.add_argument(
         "--bursts",
         type=int,
@@ -90,13 +143,17 @@ def add_bench_serve_parser(
         help="requests of the stream replayed first, one by one and unmeasured, to warm caches",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=8, help="answer tokens (short)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=8, help="answer tokens per request (8, or 128 for long)"
+    )
     parser.add_argument(
         "--workload",
-        choices=("wiki-qa", "synthetic", "chat", "shared-prefix"),
+        choices=("wiki-qa", "repeats", "synthetic", "chat", "shared-prefix"),
         default="wiki-qa",
         help="wiki-qa: FanOutQA questions with Zipf popularity over BM25 top-5 Wikipedia "
-        "passages; synthetic: Zipf chunk popularity (--chunk-tokens); chat: multi-turn "
+        "passages (a repeat retrieves k of its top 2k in a new order); repeats: the same, but "
+        "a repeat retrieves the same passages in the same order (exact repeats: prefix "
+        "caching is enough); synthetic: Zipf chunk popularity (--chunk-tokens); chat: multi-turn "
         "ShareGPT chats, six at a time, every turn sent with the ones before; shared-prefix: "
         "one long message each, one of 4 shared ~1,500-token beginnings and its own question",
     )
@@ -133,11 +190,20 @@ def add_bench_serve_parser(
 
 def _items(args: argparse.Namespace) -> list:
     """The whole stream: the warm-up, then `requests` for each run the ramp may make."""
-    n = args.warmup + (args.max_runs + args.bursts + args.refine) * args.requests
-    if args.workload == "wiki-qa":
+    parts = Parts(
+        args.max_runs, args.repeats, args.refine, args.bursts, len(args.capacity_fractions)
+    )
+    n = args.warmup + parts.total * args.requests
+    if args.workload in ("wiki-qa", "repeats"):
         from cachecraft_bench.wiki_qa import wiki_qa_zipf
 
-        return wiki_qa_zipf(n, seed=args.seed, zipf_s=args.zipf, num_questions=args.questions)
+        return wiki_qa_zipf(
+            n,
+            seed=args.seed,
+            zipf_s=args.zipf,
+            num_questions=args.questions,
+            exact_repeats=args.workload == "repeats",
+        )
     if args.workload == "chat":
         from cachecraft_bench.chat import chat_workload
 
@@ -159,9 +225,12 @@ def _print_progress(system: str, message: str) -> None:
 def main_serve_bench(args: argparse.Namespace) -> int:
     if args.client != "documents" and args.workload in ("chat", "shared-prefix"):
         raise CachecraftError(f"--client {args.client} pastes passages; {args.workload} has none")
+    if args.repeats < 1 or args.requests < 1:
+        raise CachecraftError("--repeats and --requests must be >= 1")
     items = _items(args)
-    factory = args.server_factory
-    if args.dtype != "float32":  # our servers in the same dtype as vLLM
+    # our servers in vLLM's dtype, with the environment tuning every system gets
+    factory = functools.partial(args.server_factory, tuned=args.env_tuning == "ours")
+    if args.dtype != "float32":
         factory = functools.partial(factory, extra_args=("--dtype", args.dtype))
     result = run_serve_bench(
         factory,
@@ -180,6 +249,11 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         refine=args.refine,
         dtype=args.dtype,
         client=args.client,
+        repeats=args.repeats,
+        fractions=args.capacity_fractions,
+        peer_configs=[PeerConfig()] if args.peer_config == "first" else None,
+        check_answers=args.check_answers,
+        env_tuning=args.env_tuning,
     )
     result["config"]["workload"] = args.workload
     if args.json:
@@ -239,4 +313,15 @@ def main_serve_bench(args: argparse.Namespace) -> int:
     for key, value in result.items():
         if "ratio" in key or key in ("vllm_prefix_cache", "cachecraft_reused_tokens"):
             console.print(f"{key}: {value}")
+    if "peer" in result:
+        console.print(f"vLLM configuration: {result['peer'].get('config_label')}")
+        for trial in result["peer"].get("configs_tried", []):
+            got = trial.get("capacity_rps", trial.get("error"))
+            console.print(f"  tried {trial['label']}: {got}")
+    for system, check in result.get("answer_agreement_vs_full", {}).items():
+        console.print(
+            f"answers vs full, {system}: exact {check['exact_match_rate']}, "
+            f"token agreement {check['token_agreement']} over {check['num_answers']}"
+        )
+    console.print(f"wall time: {result['wall_s']} s")
     return 0

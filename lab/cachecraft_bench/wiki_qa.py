@@ -172,12 +172,14 @@ def wiki_qa_zipf(
     num_questions: int | None = None,
     min_tokens: int = 100,
     max_tokens: int = 300,
+    exact_repeats: bool = False,
 ) -> list[WorkloadItem]:
     """A serving trace over wiki-qa: questions drawn with Zipf(`zipf_s`) popularity (a seeded
     rank order over `num_questions` FanOutQA questions, all 310 by default). A question's first
     draw gets its BM25 top-k passages in rank order; a repeat gets k of its top 2k in a shuffled
     order (asked again, retrieved a little differently), so repeats reuse chunks at new
-    positions rather than whole prompts."""
+    positions rather than whole prompts. With `exact_repeats` retrieval is deterministic: a
+    repeat is the same prompt again, the case where a prefix cache is all it takes."""
     if num_requests < 0 or k < 1 or zipf_s < 0:
         raise BadRequestError("wiki-qa-zipf needs num_requests >= 0, k >= 1 and zipf_s >= 0")
     questions = fanout_questions()
@@ -195,7 +197,7 @@ def wiki_qa_zipf(
         q = questions[int(by_rank[rank])]
         times = seen.get(rank, 0)
         seen[rank] = times + 1
-        if times == 0:
+        if times == 0 or exact_repeats:
             picked = retrieve(index, q, k)
         else:
             top = retrieve(index, q, 2 * k)
