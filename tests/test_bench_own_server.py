@@ -36,3 +36,12 @@ def test_a_child_that_cannot_start_reports_its_log(tiny_dir: Path) -> None:
         server_process("cachecraft", ["--model", str(tiny_dir), "--token-budget", "0"]),
     ):
         pass
+
+
+def test_a_child_server_gets_the_tuning_every_system_gets() -> None:
+    from cachecraft_bench import own_server
+
+    assert own_server._env(False)["CACHECRAFT_TUNING"] == "off"
+    assert "OMP_WAIT_POLICY" not in own_server._env(False)
+    assert own_server._env(True)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert own_server._env(True)["PYTHONPATH"].startswith(str(Path(own_server.__file__).parents[2]))

@@ -191,6 +191,21 @@ def test_wiki_qa_zipf_repeats_popular_questions_with_reordered_passages():
         wiki_qa_zipf(3, zipf_s=-1.0)
 
 
+def test_exact_repeats_come_back_as_the_same_prompt():
+    """`bench serve --workload repeats`: the same draws of questions, but a repeat retrieves
+    the same passages in the same order, so a prefix cache serves it whole."""
+    from cachecraft_bench.wiki_qa import wiki_qa_zipf
+
+    items = wiki_qa_zipf(30, seed=0, zipf_s=1.2, num_questions=10, exact_repeats=True)
+    shuffled = wiki_qa_zipf(30, seed=0, zipf_s=1.2, num_questions=10)
+    assert [it.request.question for it in items] == [it.request.question for it in shuffled]
+    by_question: dict[str, set] = {}
+    for it in items:
+        by_question.setdefault(it.request.question, set()).add(it.request)
+    assert all(len(requests) == 1 for requests in by_question.values())
+    assert len(by_question) < len(items)  # there are repeats
+
+
 def test_shared_prefix_requests_share_long_beginnings_and_nothing_else():
     from cachecraft_bench.shared_prefix import shared_prefix
 
