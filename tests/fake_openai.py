@@ -1,7 +1,8 @@
 """A fake OpenAI-compatible SSE server for the load generator and serving-bench tests.
 
 Chat: `delay_s` per content chunk (or a per-`cachecraft_mode` delay), usage with a cachecraft
-report; `reject`/`fail` give 429/500; GET /fake/modes lists the modes asked for. Completions
+report; `reject`/`fail` give 429/500; `gate` [name, n] holds every answer of that gate until
+n of its requests arrived; GET /fake/modes lists the modes asked for. Completions
 (the vLLM stand-in) count prefix-cache queries/hits in /metrics like vLLM does. Runs under
 uvicorn on a free loopback port.
 """
@@ -9,6 +10,7 @@ uvicorn on a free loopback port.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -35,6 +37,7 @@ def fake_app() -> FastAPI:
     counters = {"queries": 0, "hits": 0}
     seen: set[tuple[int, ...]] = set()
     modes: list[str | None] = []  # every chat request's cachecraft_mode, in arrival order
+    gates: dict[str, tuple[int, asyncio.Event]] = {}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> object:
@@ -43,6 +46,14 @@ def fake_app() -> FastAPI:
             return JSONResponse({"error": {"message": "busy"}}, status_code=429)
         if body.get("fail"):
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if body.get("gate"):  # [name, n]: no answer before n requests of that gate arrived
+            name, n = body["gate"]
+            count, opened = gates.get(name, (0, asyncio.Event()))
+            gates[name] = (count + 1, opened)
+            if count + 1 >= n:
+                opened.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(opened.wait(), 60)
         mode = body.get("cachecraft_mode")
         modes.append(mode)
         delay = float(body.get("delay_s", MODE_DELAY_S.get(mode, CHUNK_DELAY_S)))

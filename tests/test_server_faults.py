@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import time
+import threading
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
@@ -238,14 +238,30 @@ def test_tokenization_runs_off_the_engine_thread(
 
 
 # ---- defect 9: liveness ----------------------------------------------------------------------
-def test_health_says_503_while_the_engine_is_stuck(srv: Served) -> None:
+def test_health_says_503_while_the_engine_is_stuck(
+    srv: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One unit of work that holds the step thread until released (an event, not a sleep),
+    the watchdog's clock moved by hand: within watchdog_s /health stays 200, past it 503."""
     assert srv.get("/health").status_code == 200
-    future = srv.engine.call(lambda: time.sleep(1.5))  # one unit of work past watchdog_s
-    time.sleep(0.9)
+    now = [1000.0]
+    monkeypatch.setattr(srv.engine, "clock", lambda: now[0])
+    started, release = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        started.set()
+        assert release.wait(T)
+
+    future = srv.engine.call(stuck)
+    assert started.wait(T)
+    now[0] += 0.4  # busy, within watchdog_s (0.5)
+    assert srv.get("/health").status_code == 200
+    now[0] += 0.2  # past it
     r = srv.get("/health")
     assert r.status_code == 503 and "busy" in r.json()["reason"]
     probes = [("HEAD", "/health"), ("GET", "/ping"), ("POST", "/ping")]  # uptime checkers, vLLM
     assert [httpx.request(m, srv.url + p, timeout=T).status_code for m, p in probes] == [503] * 3
+    release.set()
     future.result(T)
     assert srv.get("/health").status_code == 200
     answers = [httpx.request(m, srv.url + p, timeout=T) for m, p in probes]

@@ -27,18 +27,31 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 def test_a_request_cut_by_shutdown_gets_a_json_503(small: LoadedModel) -> None:
     """SIGTERM with a request still waiting past `shutdown_timeout_s`: uvicorn cancels it and
-    used to answer a plain-text "Internal Server Error" 500."""
+    used to answer a plain-text "Internal Server Error" 500. The engine is held busy by an
+    event (released once the client has its answer), never by a sleep that could end first."""
     got: dict[str, Any] = {}
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(T)
+
     with serving(small, ServerConfig(shutdown_timeout_s=0.3)) as s:
-        busy = s.engine.call(lambda: time.sleep(3))  # the engine cannot plan the request yet
+        busy = s.engine.call(hold)  # the engine cannot plan the request yet
+        assert held.wait(T) and not s.engine.has_work()
 
         def ask() -> None:
-            got["r"] = httpx.post(s.url + CHAT, json=chat(), timeout=T)
+            try:
+                got["r"] = httpx.post(s.url + CHAT, json=chat(), timeout=T)
+            finally:
+                release.set()
 
         client = threading.Thread(target=ask)
         client.start()
-        time.sleep(1.0)  # the request is in its route, waiting for the busy engine
-        assert not busy.done()
+        deadline = time.monotonic() + T
+        while not s.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the request waits for the held engine (a condition)
+        assert s.engine.has_work() and not busy.done()
     client.join(T)
     err = openai_error(got["r"], 503)
     assert err["code"] == "shutting_down" and "shutting down" in err["message"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -297,26 +296,42 @@ def test_a_variant_pinned_after_admission_refused_it_is_still_on_disk(tmp_path: 
 
 
 @pytest.mark.parametrize("read", ["load", "prefetch"])
-def test_a_removal_during_a_disk_read_is_not_undone_by_it(tmp_path: Path, read: str) -> None:
+def test_a_removal_during_a_disk_read_is_not_undone_by_it(
+    tmp_path: Path, read: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A read from disk (a request's prefetch, a load) runs without the store lock and put
     what it read into memory when done: a `remove` of the chunk meanwhile (DELETE
-    /v1/chunks) was undone, the variant listed and served again from memory."""
+    /v1/chunks) was undone, the variant listed and served again from memory. The disk read
+    here holds until the removal is done (events, not a sleep), so the removal always lands
+    in the middle of it."""
     config = StoreConfig(cache_dir=str(tmp_path), doorkeeper_threshold=1, memory_bytes=1 << 30)
-    big = make_variant("c", num_tokens=2048, num_layers=8, num_heads=4, head_dim=64)  # 32 MiB
+    v = make_variant("c")
     first = TieredStore(config)
-    assert first.offer(big).stored
+    assert first.offer(v).stored
     first.close()
     store = TieredStore(config)  # a restart: the variant is on disk only
+    assert store.disk is not None
+    disk_get = store.disk.get
+    read_done, removed = threading.Event(), threading.Event()
+
+    def held_get(variant_id: str, device: str) -> object:
+        got = disk_get(variant_id, device)
+        read_done.set()
+        assert removed.wait(30), "the removal never came"
+        return got
+
+    monkeypatch.setattr(store.disk, "get", held_get)
     reading = threading.Thread(
         target=store.load if read == "load" else store.prefetch,
-        args=(big.variant_id,) if read == "load" else ([big.variant_id],),
+        args=(v.variant_id,) if read == "load" else ([v.variant_id],),
     )
     reading.start()
-    time.sleep(0.01)  # the read is under way (32 MiB take longer than this)
+    assert read_done.wait(30)  # the bytes are read; the read has not finished
     assert store.remove("c") == 1
-    reading.join()
+    removed.set()
+    reading.join(30)
     store.wait_prefetch()
-    assert store.variants("c") == [] and store.load(big.variant_id) is None
+    assert store.variants("c") == [] and store.load(v.variant_id) is None
     store.check_integrity()
     store.close()
 

@@ -179,6 +179,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._busy_since: float | None = None
+        self.clock: Callable[[], float] = time.monotonic
+        """The watchdog's clock: how long the step thread has been busy (tests move it)."""
         self.num_steps = 0
         self.num_aborted = 0
         self.num_failed = 0
@@ -221,7 +223,7 @@ class Engine:
         busy = self._busy_since
         return Liveness(
             self.is_alive,
-            None if busy is None else time.monotonic() - busy,
+            None if busy is None else self.clock() - busy,
             self.num_steps,
             self.num_failed,
         )
@@ -365,7 +367,7 @@ class Engine:
         calls: list[tuple[Callable[[], Any], Future]],
     ) -> None:
         """Run the queued calls, apply aborts, admit new requests, then one step."""
-        self._busy_since = time.monotonic()
+        self._busy_since = self.clock()
         for fn, future in calls:
             if future.set_running_or_notify_cancel():
                 try:
