@@ -8,9 +8,12 @@ import pytest
 
 from cachecraft_bench.flops import (
     ModelShape,
+    compute_label,
+    count_for_flops,
     flops_fraction,
     full_prefill_flops,
     prefill_flops,
+    token_flops,
     token_layer_flops,
 )
 
@@ -58,3 +61,30 @@ def test_errors_and_from_config():
     )
     shape = ModelShape.from_config(cfg)
     assert shape.head_dim == 64 and shape.num_kv_heads == 3 and shape.num_layers == 30
+
+
+def test_token_flops_sum_to_the_prefill_flops() -> None:
+    positions, layers = [0, 5, 9], [2, 1, 2]
+    assert int(token_flops(SHAPE, positions, layers).sum()) == prefill_flops(
+        **SHAPE.as_kwargs(), computed_positions=positions, layers_per_position=layers
+    )
+
+
+def test_matching_by_flops_counts_position() -> None:
+    """The same FLOPs buy fewer late tokens than early ones: a baseline ranked toward the end
+    of the prompt gets fewer tokens than one ranked toward its start."""
+    shape = SHAPE
+    target = float(token_flops(shape, range(100, 110)).sum())  # ten tokens mid-prompt
+    assert count_for_flops(shape, range(100, 200), target) == 10
+    late = count_for_flops(shape, range(900, 1000), target)
+    early = count_for_flops(shape, range(0, 100), target)
+    assert late < 10 < early
+    assert count_for_flops(shape, range(5), 0.0) == 0
+
+
+def test_arms_off_by_more_than_half_a_point_are_labelled() -> None:
+    assert compute_label(0.304, 0.300) == "compute-equal"
+    assert compute_label(0.295, 0.300) == "compute-equal"
+    assert compute_label(0.312, 0.300) == "not compute-equal (+1.2 pts)"
+    assert compute_label(0.280, 0.300) == "not compute-equal (-2.0 pts)"
+    assert compute_label(None, 0.3) == "unknown"

@@ -95,3 +95,19 @@ def test_merge_pools_the_records_of_shards() -> None:
     del other["workloads"]["w"]["requests"]["naive"]
     with pytest.raises(BadRequestError, match="same arms"):
         merge_results([_shard(range(3), 0), other], ["a", "b"])
+
+
+def test_merge_refuses_shards_of_different_configurations() -> None:
+    """Requests and seeds may differ between shards; any other setting may not (pooling a
+    run at one alpha with one at another would report an experiment nobody ran)."""
+    a, b = _shard(range(0, 3), 0), _shard(range(3, 6), 1)
+    a["config"] |= {"model": "tiny", "max_tokens": 8}
+    b["config"] |= {"model": "tiny", "max_tokens": 8}
+    a["config"]["reuse"]["alpha"] = b["config"]["reuse"]["alpha"] = 0.5
+    assert merge_results([a, b], ["a", "b"])["config"]["seeds"] == [0, 1]
+    b["config"]["reuse"]["alpha"] = 0.7
+    b["config"]["max_tokens"] = 128
+    with pytest.raises(BadRequestError, match="different configurations") as err:
+        merge_results([a, b], ["a.json", "b.json"])
+    assert "reuse.alpha: 0.5 in a.json, 0.7 in b.json" in str(err.value)
+    assert "max_tokens: 8 in a.json, 128 in b.json" in str(err.value)

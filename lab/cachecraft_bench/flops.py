@@ -110,3 +110,54 @@ def flops_fraction(
         layers_per_position=layers_per_position,
     )
     return part / full if full else 0.0
+
+
+FLOPS_TOLERANCE = 0.005
+"""Two arms are compute-equal when their FLOPs fractions of the prompt's full prefill differ by
+at most this (half a point); an arm further off is labelled so (`compute_label`)."""
+
+
+def token_flops(
+    shape: ModelShape,
+    positions: Sequence[int] | np.ndarray,
+    layers_per_position: Sequence[int] | np.ndarray | int | None = None,
+) -> np.ndarray:
+    """FLOPs of each token at `positions` through its layers, one number per position: a late
+    token attends over more keys and costs more than an early one."""
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if layers_per_position is None:
+        layers = np.full(pos.shape, shape.num_layers, dtype=np.int64)
+    else:
+        layers = np.broadcast_to(np.asarray(layers_per_position, dtype=np.int64), pos.shape)
+    kw = shape.as_kwargs()
+    kw.pop("num_layers")
+    fixed = token_layer_flops(**kw, keys=0)
+    per_key = 2 * 2 * shape.num_heads * shape.head_dim
+    return layers * (fixed + per_key * (pos + 1))
+
+
+def count_for_flops(
+    shape: ModelShape,
+    ranked_positions: Sequence[int] | np.ndarray,
+    target_flops: float,
+    layers_per_position: Sequence[int] | np.ndarray | int | None = None,
+) -> int:
+    """How many of `ranked_positions` (a baseline's own order of preference) to compute so
+    that their FLOPs come closest to `target_flops`, by position: matching a count of tokens
+    instead gave a baseline that picks late tokens more FLOPs than the arm it was matched to
+    (and one that picks early tokens fewer)."""
+    costs = token_flops(shape, ranked_positions, layers_per_position)
+    cumulative = np.concatenate([[0], np.cumsum(costs, dtype=np.float64)])
+    return int(np.argmin(np.abs(cumulative - float(target_flops))))
+
+
+def compute_label(arm_fraction: float | None, ref_fraction: float | None) -> str:
+    """ "compute-equal" when two FLOPs fractions differ by at most `FLOPS_TOLERANCE`, else
+    "not compute-equal (+1.2 pts)" (the arm's fraction minus the reference's, in points of the
+    prompt's full-prefill FLOPs); "unknown" when either is missing."""
+    if arm_fraction is None or ref_fraction is None:
+        return "unknown"
+    delta = arm_fraction - ref_fraction
+    if abs(delta) <= FLOPS_TOLERANCE + 1e-12:
+        return "compute-equal"
+    return f"not compute-equal ({100 * delta:+.1f} pts)"

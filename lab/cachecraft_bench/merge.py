@@ -1,7 +1,9 @@
 """Merge the results.json of several `bench quality` runs (shards) into one.
 
 Shards are runs of the same arms on disjoint requests, e.g. one per workload seed run side by
-side on a multi-core machine. Their per-request records are pooled and summarised again, so
+side on a multi-core machine, in the same configuration: shards whose configurations differ
+in anything but their requests and seeds are refused (`config_differences`), since pooling
+them would average two experiments into one that never ran. Their per-request records are pooled and summarised again, so
 the merged means, CIs, percentiles, sweep points and paired comparisons are those of one run
 over all the requests. Storage is per run (each shard had its own caches): the merged value is
 the shards' mean.
@@ -45,11 +47,49 @@ def _merge_workload(name: str, shards: Sequence[dict[str, Any]]) -> dict[str, An
     return {"modes": modes, "sweep": sweep, "paired": paired, "requests": requests}
 
 
+SHARD_KEYS = frozenset({"requests", "merged_from", "seeds", "seed"})
+"""Config keys (top level, and `seed` inside `reuse`) in which shards may differ."""
+
+
+def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in config.items() if k not in SHARD_KEYS}
+    if isinstance(out.get("reuse"), dict):
+        out["reuse"] = {k: v for k, v in out["reuse"].items() if k != "seed"}
+    return out
+
+
+def config_differences(configs: Sequence[dict[str, Any]], sources: Sequence[str]) -> list[str]:
+    """One line per setting in which a shard's configuration differs from the first's
+    (requests and seeds aside), e.g. "reuse.alpha: 0.5 in a.json, 0.7 in b.json"."""
+    first = _comparable(configs[0])
+    lines = []
+    for config, source in zip(configs[1:], sources[1:], strict=True):
+        other = _comparable(config)
+        for key in sorted(set(first) | set(other)):
+            a, b = first.get(key), other.get(key)
+            if isinstance(a, dict) and isinstance(b, dict):
+                for sub in sorted(set(a) | set(b)):
+                    if a.get(sub) != b.get(sub):
+                        lines.append(
+                            f"{key}.{sub}: {a.get(sub)!r} in {sources[0]}, {b.get(sub)!r} in {source}"
+                        )
+            elif a != b:
+                lines.append(f"{key}: {a!r} in {sources[0]}, {b!r} in {source}")
+    return lines
+
+
 def merge_results(results: Sequence[dict[str, Any]], sources: Sequence[str]) -> dict[str, Any]:
-    """One results dict (bench/report.py schema) from several with the same workloads."""
+    """One results dict (bench/report.py schema) from several with the same workloads and
+    the same configuration (`config_differences`)."""
     names = [list(r["workloads"]) for r in results]
     if any(n != names[0] for n in names):
         raise BadRequestError(f"the results hold different workloads: {names}")
+    differ = config_differences([r.get("config") or {} for r in results], sources)
+    if differ:
+        raise BadRequestError(
+            "the shards ran different configurations; merging them would pool two "
+            "experiments:\n" + "\n".join(differ)
+        )
     config = dict(results[0].get("config") or {})
     config["requests"] = sum(int((r.get("config") or {}).get("requests") or 0) for r in results)
     config["merged_from"] = list(sources)

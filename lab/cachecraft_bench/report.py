@@ -24,6 +24,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from cachecraft_bench.flops import compute_label
+
 logger = logging.getLogger(__name__)
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -108,15 +110,17 @@ PAIRED_COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 def paired_table(paired: dict[str, Any]) -> str:
     """The paired comparison (bench/paired.py) as markdown: one row per arm, then the share of
-    naive reuse's TF-KL each arm removes."""
+    naive reuse's TF-KL each arm removes, and whether the arm spent the reference's FLOPs
+    (within `flops.FLOPS_TOLERANCE`, by the mean paired difference) or is labelled not
+    compute-equal."""
     ref = paired.get("reference", "cachecraft")
     removed = paired.get("kl_removed") or {}
     header = (
         "| arm | "
         + " | ".join(label for _, label, _ in PAIRED_COLUMNS)
-        + f" | {ref} lower TF-KL | naive TF-KL removed |"
+        + f" | {ref} lower TF-KL | naive TF-KL removed | compute |"
     )
-    rows = [header, "|---" * (len(PAIRED_COLUMNS) + 3) + "|"]
+    rows = [header, "|---" * (len(PAIRED_COLUMNS) + 4) + "|"]
     names = [*(paired.get("arms") or {}), *([ref] if ref in removed else [])]
     for name in names:
         diffs = (paired.get("arms") or {}).get(name, {})
@@ -124,6 +128,10 @@ def paired_table(paired: dict[str, Any]) -> str:
         share = (diffs.get("tf_kl") or {}).get("ref_lower")
         cells.append("–" if share is None else f"{share:.0%}")
         cells.append(format_cell(removed.get(name), "{:.2f}"))
+        delta = (diffs.get("flops_fraction") or {}).get("mean")
+        cells.append(
+            "–" if name == ref else compute_label(delta, 0.0 if delta is not None else None)
+        )
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
