@@ -266,8 +266,8 @@ def test_serve_bench_per_mode_and_vllm_peer(fake_url: str) -> None:
 
 
 def test_every_answer_is_checked_against_a_full_prefill(fake_url: str) -> None:
-    """After the measured runs, every distinct measured request is answered once in full
-    mode; each system's answers are compared with those. The fake chat answers the same in
+    """After the measured runs, every distinct measured prompt is answered once in full
+    mode; each system's answers are compared with those (a repeat shares its prompt's). The fake chat answers the same in
     every mode, the fake vLLM something else: agreement 1.0 for ours, and less for vLLM."""
     before = len(httpx.get(fake_url + "/fake/modes").json())
     result = run_serve_bench(
@@ -287,8 +287,8 @@ def test_every_answer_is_checked_against_a_full_prefill(fake_url: str) -> None:
         fractions=(),
     )
     modes = httpx.get(fake_url + "/fake/modes").json()[before:]
-    assert modes.count("full") == 3  # ids 0, 1, 2: each once, after the measured runs
-    assert modes[-3:] == ["full"] * 3
+    # two distinct prompts (request 2 repeats 0's), each once, after the measured runs
+    assert modes.count("full") == 2 and modes[-2:] == ["full"] * 2
     check = result["answer_agreement_vs_full"]
     cc, vllm = check["cachecraft"], check["vllm"]
     assert cc["num_answers"] == 3 + 3 and cc["exact_match_rate"] == 1.0  # ramp run and burst

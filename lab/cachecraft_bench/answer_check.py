@@ -12,6 +12,9 @@ from typing import Any
 
 from cachecraft_bench.item import WorkloadItem
 
+DEFAULT_MAX_CHECKED = 64
+"""Distinct prompts answered in full for the check (about a minute of full prefills here)."""
+
 Answers = list[tuple[str, str]]
 """(request id, answer text) of every measured request of one system, in the order served."""
 
@@ -63,20 +66,31 @@ def check_answers(
     measured: Sequence[WorkloadItem],
     model_dir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
+    max_checked: int = DEFAULT_MAX_CHECKED,
 ) -> dict[str, Any]:
-    """Every distinct measured request once through `replay_full` (a full prefill each),
-    then `agreement_vs_full` with the model's tokenizer (`model_dir`, else the bundled one)."""
+    """The first `max_checked` distinct prompts among the measured requests (in stream
+    order; requests with the same prompt share one full answer) once through `replay_full`
+    (a full prefill each), then `agreement_vs_full` with the model's tokenizer (`model_dir`,
+    else the bundled one) over every measured answer to those prompts."""
     from transformers import AutoTokenizer
 
     from cachecraft.api import resolve_model_dir
 
-    distinct = list({it.id: it for it in measured}.values())
+    first: dict[Any, WorkloadItem] = {}
+    for it in measured:
+        if it.request not in first and len(first) < max_checked:
+            first[it.request] = it
     if progress is not None:
-        progress(f"answering {len(distinct)} distinct requests in full mode for the answer check")
-    full = replay_full(distinct)
+        progress(f"answering {len(first)} distinct prompts in full mode for the answer check")
+    full = replay_full(list(first.values()))
+    by_id = {
+        it.id: full[first[it.request].id]
+        for it in measured
+        if it.request in first and first[it.request].id in full
+    }
     tokenizer = AutoTokenizer.from_pretrained(model_dir or resolve_model_dir(None))
 
     def tokenize(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    return agreement_vs_full(answers, full, tokenize)
+    return agreement_vs_full(answers, by_id, tokenize)
