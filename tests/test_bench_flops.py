@@ -15,6 +15,7 @@ from cachecraft_bench.flops import (
     prefill_flops,
     token_flops,
     token_layer_flops,
+    uniform_k_for_flops,
 )
 
 SHAPE = ModelShape(num_layers=2, hidden=8, intermediate=16, num_heads=2, num_kv_heads=1, head_dim=4)
@@ -88,3 +89,14 @@ def test_arms_off_by_more_than_half_a_point_are_labelled() -> None:
     assert compute_label(0.312, 0.300) == "not compute-equal (+1.2 pts)"
     assert compute_label(0.280, 0.300) == "not compute-equal (-2.0 pts)"
     assert compute_label(None, 0.3) == "unknown"
+
+
+def test_epic_gets_one_uniform_k_at_the_target_cost() -> None:
+    starts, sizes = [10, 50, 90], [30, 30, 5]
+    k4 = [s + i for s, n in zip(starts, sizes, strict=True) for i in range(min(4, n))]
+    target = float(token_flops(SHAPE, k4).sum())
+    assert uniform_k_for_flops(SHAPE, starts, sizes, target) == 4
+    assert uniform_k_for_flops(SHAPE, starts, sizes, 0.0) == 0
+    # past the short chunk's length it is recomputed whole, the others go on growing
+    k20 = [s + i for s, n in zip(starts, sizes, strict=True) for i in range(min(20, n))]
+    assert uniform_k_for_flops(SHAPE, starts, sizes, float(token_flops(SHAPE, k20).sum())) == 20

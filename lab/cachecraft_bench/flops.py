@@ -161,3 +161,26 @@ def compute_label(arm_fraction: float | None, ref_fraction: float | None) -> str
     if abs(delta) <= FLOPS_TOLERANCE + 1e-12:
         return "compute-equal"
     return f"not compute-equal ({100 * delta:+.1f} pts)"
+
+
+def uniform_k_for_flops(
+    shape: ModelShape,
+    chunk_starts: Sequence[int],
+    chunk_sizes: Sequence[int],
+    target_flops: float,
+) -> int:
+    """EPIC's own shape at a given cost: the one k (tokens recomputed at the start of every
+    chunk, as EPIC's LegoLink does) whose FLOPs, by position, come closest to `target_flops`
+    (ties: the smaller k). A chunk shorter than k is recomputed whole."""
+    if len(chunk_starts) != len(chunk_sizes):
+        raise ValueError("one start per chunk size")
+    longest = max(chunk_sizes, default=0)
+    best_k, best_gap = 0, float(target_flops)
+    for k in range(1, longest + 1):
+        positions = [
+            s + i for s, n in zip(chunk_starts, chunk_sizes, strict=True) for i in range(min(k, n))
+        ]
+        gap = abs(float(token_flops(shape, positions).sum()) - float(target_flops))
+        if gap < best_gap:
+            best_k, best_gap = k, gap
+    return best_k
