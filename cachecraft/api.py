@@ -1,5 +1,6 @@
-"""The public surface for code built on cachecraft: the benchmarks first, and anyone who
-drives the engine, the offline LLM or a chunk store from Python.
+"""The public surface for code built on cachecraft: anyone who drives the engine, the offline
+LLM or a chunk store from Python, or adds a reuse strategy (the lab registers its baselines
+through it).
 
 Public modules are this one plus `cachecraft` (LLM, SamplingParams, Chunk, RagRequest),
 `cachecraft.llm`, `cachecraft.request`, `cachecraft.config`, `cachecraft.config_file`,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cachecraft.config import check_fields, ranged
 from cachecraft.engine.engine import Engine, EngineConfig
 from cachecraft.engine.handle import Failed, Finished, PromptLogprobs, RequestHandle, Token
 from cachecraft.engine.options import RequestExtras, RequestOptions, StepStat
@@ -23,10 +25,24 @@ from cachecraft.llm import LLM, Answer, RequestOutput
 from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
 from cachecraft.model.reference import greedy_tokens, prefill
 from cachecraft.request import RagRequest
+from cachecraft.reuse.cachecraft import CachecraftParams, CachecraftStrategy, make_probe, probe_cost
 from cachecraft.reuse.layout import build_layout
-from cachecraft.reuse.modes import probe_cost
-from cachecraft.reuse.plan import RecomputePlan
+from cachecraft.reuse.modes import (
+    PlanInput,
+    fix_count,
+    given_budget,
+    hit,
+    make_plan,
+    miss,
+    per_chunk,
+)
+from cachecraft.reuse.plan import ChunkPlan, ChunkSlot, DeviationCheck, EarlyExit, RecomputePlan
 from cachecraft.reuse.planner import matched_budgets
+from cachecraft.reuse.selectors import first_n, random_n, top_scored
+from cachecraft.reuse.stats import Scoring, ScoringRules
+from cachecraft.reuse.strategies import STRATEGIES
+from cachecraft.reuse.strategy import ReuseStrategy, StrategyRegistry
+from cachecraft.reuse.variant_choice import VariantScore
 from cachecraft.server.convert import to_rag
 from cachecraft.server.launch import Stack, build_stack, close_stack, start_server
 from cachecraft.server.protocol import ChatCompletionRequest
@@ -38,14 +54,22 @@ from cachecraft.store.variant import Variant
 
 __all__ = [
     "LLM",
+    "STRATEGIES",
     "Answer",
+    "CachecraftParams",
+    "CachecraftStrategy",
+    "ChunkPlan",
     "ChunkReport",
+    "ChunkSlot",
+    "DeviationCheck",
+    "EarlyExit",
     "Engine",
     "EngineConfig",
     "Failed",
     "Finished",
     "LoadedModel",
     "MemoryStore",
+    "PlanInput",
     "PromptLogprobs",
     "RecomputePlan",
     "RedisServer",
@@ -54,25 +78,42 @@ __all__ = [
     "RequestOptions",
     "RequestOutput",
     "RequestReport",
+    "ReuseStrategy",
     "SamplingParams",
+    "Scoring",
+    "ScoringRules",
     "Stack",
     "StepStat",
+    "StrategyRegistry",
     "Token",
     "Variant",
     "VariantMeta",
+    "VariantScore",
     "build_stack",
     "chat_request",
+    "check_fields",
     "close_stack",
+    "first_n",
+    "fix_count",
+    "given_budget",
     "greedy_tokens",
+    "hit",
     "load_model",
+    "make_plan",
+    "make_probe",
     "make_store",
     "matched_budgets",
     "memory_config",
+    "miss",
+    "per_chunk",
     "prefill",
     "probe_cost",
     "prompt_token_ids",
+    "random_n",
+    "ranged",
     "resolve_model_dir",
     "start_server",
+    "top_scored",
 ]
 
 

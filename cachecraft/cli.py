@@ -22,10 +22,10 @@ from cachecraft.env import set_passive_openmp, tune_allocator
 set_passive_openmp()  # before anything imports torch (cachecraft/env.py says why)
 tune_allocator()
 
-from cachecraft.config import MODES  # noqa: E402
-from cachecraft.config_file import load_reuse_overrides, merge_overrides  # noqa: E402
+from cachecraft.config_file import add_reuse_flags, reuse_overrides  # noqa: E402
 from cachecraft.errors import CachecraftError  # noqa: E402
 from cachecraft.logs import setup_logging  # noqa: E402
+from cachecraft.reuse.strategies import DEFAULT_STRATEGY, STRATEGIES  # noqa: E402
 from cachecraft.server.cli import add_serve_parser  # noqa: E402
 from cachecraft.store.cli import add_chunks_parser  # noqa: E402
 
@@ -53,7 +53,9 @@ def _ask(args: argparse.Namespace) -> int:
         # answer to reuse the first one's chunk-caches (docs/api.md, "Quick start").
         config = StoreConfig(cache_dir=args.cache_dir, device=args.device, doorkeeper_threshold=1)
         store = make_store(config)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, store=store, **_overrides(args))
+    llm = LLM(
+        args.model, dtype=args.dtype, device=args.device, store=store, **reuse_overrides(args)
+    )
     request = RagRequest(args.question, chunks, system=args.system)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     out = llm.generate(request, sampling, mode=args.mode)[0]
@@ -75,11 +77,6 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def _overrides(args: argparse.Namespace) -> dict:
-    """ReuseConfig fields from the calibration file and explicit flags (flags win)."""
-    return merge_overrides(load_reuse_overrides(args.config), alpha=args.alpha)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cachecraft", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -89,16 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--doc", action="append", help="a document file (repeatable)")
     ask.add_argument("--question", required=True)
     ask.add_argument("--system", default=None, help="system prompt")
-    ask.add_argument("--mode", choices=MODES, default="cachecraft")
+    ask.add_argument("--mode", choices=STRATEGIES.names(), default=DEFAULT_STRATEGY)
     ask.add_argument("--model", default=None, help="HF dir or .gguf (default: bundled)")
     ask.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--cache-dir", default=None, help="keep chunk-caches on disk here")
     ask.add_argument("--config", default=None, help="calibration file (cachecraft calibrate)")
-    ask.add_argument("--alpha", type=float, default=None)
     ask.add_argument("--max-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--json", action="store_true")
+    add_reuse_flags(ask)
     ask.set_defaults(func=_ask)
 
     for add in (add_serve_parser, add_chunks_parser):

@@ -1,20 +1,21 @@
-"""The calibration/config file (`./cachecraft.json` by default): read, write, and its "reuse"
-section as ReuseConfig overrides. Sits next to `config` so that no product module imports
-`bench` to read it; `cachecraft calibrate` (bench) writes it through `write_config`.
+"""The calibration/config file (`./cachecraft.json` by default): read, write, its "reuse"
+section as ReuseConfig overrides, and the command-line flags of the same fields (one flag per
+field). Which settings object a name belongs to is decided once, by `llm.split_settings`.
+`cachecraft calibrate` (the lab) writes the file through `write_config`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
-from cachecraft.config import ReuseConfig
+from cachecraft.config import ReuseConfig, field_names
 from cachecraft.errors import BadRequestError
 
-STORE_SETTINGS = frozenset({"storage_dtype", "max_variants_per_chunk"})
-"""Settings that were once reuse options and now belong to StoreConfig (a clear error)."""
 DEFAULT_CONFIG_PATH = Path("cachecraft.json")
 """Where `cachecraft calibrate` writes and every command looks by default (the working dir)."""
 
@@ -51,11 +52,12 @@ def write_config(path: str | Path | None, alpha: float, **calibration: Any) -> P
 
 
 def load_reuse_overrides(path: str | Path | None = None) -> dict[str, Any]:
-    """The "reuse" section of the config file: ReuseConfig field -> value ({} without a file).
-    Unknown fields, and reuse options written at the top level (ignored there otherwise; other
-    top-level keys are the file owner's and stay), raise BadRequestError naming them."""
+    """The "reuse" section of the config file: ReuseConfig field -> value ({} without a file;
+    `llm.reuse_config` checks the names and values). Reuse options written at the top level
+    (ignored there otherwise; other top-level keys are the file owner's and stay) raise
+    BadRequestError naming them."""
     data = read_config(path)
-    known = {f.name for f in dataclasses.fields(ReuseConfig)}
+    known = field_names(ReuseConfig)
     misplaced = sorted(set(data) & known)
     if misplaced:
         raise BadRequestError(
@@ -65,18 +67,34 @@ def load_reuse_overrides(path: str | Path | None = None) -> dict[str, Any]:
     reuse = data.get("reuse", {})
     if not isinstance(reuse, dict):
         raise BadRequestError("config file: 'reuse' must be an object")
-    unknown = sorted(set(reuse) - known)
-    moved = [k for k in unknown if k in STORE_SETTINGS]
-    if moved:
-        raise BadRequestError(
-            f"config file: {', '.join(moved)} is a store setting, not a reuse one "
-            f"(give it to the store, e.g. `cachecraft serve --{moved[0].replace('_', '-')}`)"
-        )
-    if unknown:
-        raise BadRequestError(f"config file: unknown reuse option(s) {unknown}")
     return dict(reuse)
 
 
 def merge_overrides(from_file: dict[str, Any], **flags: Any) -> dict[str, Any]:
     """File values overridden by the flags that were given (None = not given)."""
     return {**from_file, **{k: v for k, v in flags.items() if v is not None}}
+
+
+def add_reuse_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ReuseConfig field (--alpha, --refresh-repeats/--no-refresh-repeats, ...),
+    each defaulting to None so that only the flags given override the config file."""
+    group = parser.add_argument_group("reuse options (override the config file)")
+    hints = typing.get_type_hints(ReuseConfig)
+    for f in dataclasses.fields(ReuseConfig):
+        hint = hints[f.name]
+        kw: dict[str, Any] = {"dest": f"reuse_{f.name}", "default": None}
+        if hint is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["metavar"] = f.name.upper()
+            kw["type"] = int if int in (hint, *typing.get_args(hint)) else float
+        doc = (f"ReuseConfig.{f.name}", f"default {f.default!r}")
+        group.add_argument("--" + f.name.replace("_", "-"), help=", ".join(doc), **kw)
+
+
+def reuse_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config file's (`args.config`) reuse section, then the reuse flags given."""
+    flags = {
+        f.name: getattr(args, f"reuse_{f.name}", None) for f in dataclasses.fields(ReuseConfig)
+    }
+    return merge_overrides(load_reuse_overrides(getattr(args, "config", None)), **flags)

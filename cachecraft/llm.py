@@ -1,5 +1,6 @@
 """LLM: the offline API. `LLM(model).generate(requests, sampling, mode=...)`, `.answer` (one
-request with a benchmark's measurements), `.precompute` and `.warm`.
+request with a benchmark's measurements), `.precompute` and `.warm`; and `split_settings`, the
+one place that says which settings object a named setting belongs to.
 
 The server's engine plus a step loop (`engine.offline`): requests given together are batched
 as the server batches them, through the same planner, runner, scheduler and decode loop.
@@ -7,13 +8,13 @@ as the server batches them, through the same planner, runner, scheduler and deco
 
 from __future__ import annotations
 
-import dataclasses
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from cachecraft.config import ReuseConfig
+from cachecraft.config import ReuseConfig, field_names
 from cachecraft.engine.engine import Engine, EngineConfig, RequestOptions
 from cachecraft.engine.offline import Submission, run_requests
 from cachecraft.engine.precompute import prefill_in_full
@@ -25,6 +26,8 @@ from cachecraft.errors import BadRequestError
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.reuse.plan import RecomputePlan
+from cachecraft.reuse.strategies import DEFAULT_STRATEGY, STRATEGIES
+from cachecraft.reuse.strategy import ReuseStrategy, StrategyRegistry
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
@@ -76,26 +79,51 @@ class Answer:
     rows_last_layer: torch.Tensor
 
 
-def reuse_config(**fields: object) -> ReuseConfig:
-    """ReuseConfig from keyword fields, with a clear error for an unknown one and for a store
-    setting given here (it belongs to StoreConfig)."""
-    known = {f.name for f in dataclasses.fields(ReuseConfig)}
-    store_fields = {f.name for f in dataclasses.fields(StoreConfig)}
-    misplaced = sorted((set(fields) - known) & store_fields)
-    if misplaced:
-        raise BadRequestError(
-            f"{', '.join(misplaced)}: a store setting, not a reuse one; give it to the store, "
-            f"e.g. LLM(store=StoreConfig({misplaced[0]}=...)) or `cachecraft serve "
-            f"--{misplaced[0].replace('_', '-')}`"
-        )
-    unknown = sorted(set(fields) - known)
+def split_settings(
+    fields: Mapping[str, object], strategy: ReuseStrategy | StrategyRegistry | None = None
+) -> tuple[dict[str, object], dict[str, object], dict[str, object]]:
+    """The one settings registry: `fields` split into (ReuseConfig fields, the parameters of
+    `strategy` (or of any strategy of a registry), StoreConfig fields). A name none of them
+    knows is a BadRequestError naming the known ones."""
+    reuse_names = field_names(ReuseConfig)
+    own = strategy.param_names() if strategy is not None else frozenset()
+    store_names = field_names(StoreConfig)
+    unknown = sorted(set(fields) - reuse_names - own - store_names)
     if unknown:
-        raise BadRequestError(f"unknown option(s) {unknown}; known: {sorted(known)}")
+        known = sorted(reuse_names | own)
+        raise BadRequestError(f"unknown option(s) {unknown}; known: {known}")
+    reuse = {k: v for k, v in fields.items() if k in reuse_names}
+    params = {k: v for k, v in fields.items() if k in own and k not in reuse_names}
+    store = {k: v for k, v in fields.items() if k in store_names and k not in reuse_names | own}
+    return reuse, params, store
+
+
+def reuse_config(**fields: object) -> ReuseConfig:
+    """ReuseConfig from keyword fields (a config file's "reuse" section, flags), with a clear
+    error for an unknown one and for a store setting given here (it belongs to StoreConfig)."""
+    return configure(fields, None)[0]
+
+
+def configure(
+    fields: Mapping[str, object], registry: StrategyRegistry | None = STRATEGIES
+) -> tuple[ReuseConfig, StrategyRegistry | None]:
+    """(ReuseConfig, `registry` with its strategies' parameters changed) from `fields`; an
+    unknown name, a store setting or a bad value is a BadRequestError."""
+    reuse, params, store = split_settings(fields, registry)
+    if store:
+        name = sorted(store)[0]
+        raise BadRequestError(
+            f"{', '.join(sorted(store))}: a store setting, not a reuse one; give it to the "
+            f"store, e.g. LLM(store=StoreConfig({name}=...)) or `cachecraft serve "
+            f"--{name.replace('_', '-')}`"
+        )
     try:
-        config = ReuseConfig(**fields)  # type: ignore[arg-type]
+        config = ReuseConfig(**reuse)  # type: ignore[arg-type]
+        if registry is not None and params:
+            registry = registry.with_params(**params)
     except ValueError as e:
         raise BadRequestError(f"bad reuse setting: {e}") from None
-    return config
+    return config, registry
 
 
 class LLM:
@@ -104,7 +132,8 @@ class LLM:
     `store`: a ChunkStore, a StoreConfig to build one from (its `device` is where the memory
     tier lives, the CPU unless set, whatever `device` says), or None for an in-memory LRU
     store (`MemoryStore`, 2 GiB, host memory). `config` (a ReuseConfig) or `**reuse` (its
-    fields), not both.
+    fields and the parameters of the registered strategies, each given to the strategies that
+    take it: `LLM(model, probe_max_cost=None)`), not both.
     `engine`: the EngineConfig of its step loop (None: the defaults).
 
     Thread-safe: calls from several threads run one after another; to batch requests, give
@@ -126,7 +155,10 @@ class LLM:
             raise BadRequestError(
                 f"reuse settings given twice: config=ReuseConfig(...) and {sorted(reuse)}"
             )
-        self.config = config if config is not None else reuse_config(**reuse)
+        configured, strategies = configure(reuse)
+        self.config = config if config is not None else configured
+        self.strategies = strategies or STRATEGIES
+        """The strategies `generate` and `answer` resolve a name in."""
         tune_allocator()  # process-wide: large activations from the heap (cachecraft/env.py)
         if isinstance(model, LoadedModel):
             self.loaded = model
@@ -150,7 +182,7 @@ class LLM:
         self,
         requests: RagRequest | list[RagRequest],
         sampling: SamplingParams | None = None,
-        mode: str = "cachecraft",
+        mode: str | ReuseStrategy = DEFAULT_STRATEGY,
         *,
         budgets: list[list[int | None] | None] | None = None,
         teacher_force: list[list[int] | None] | None = None,
@@ -158,7 +190,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Answer the requests together, as the server would (a request sees the variants of
         those whose prefill finished before its own started). budgets[i] / teacher_force[i]
-        go with requests[i]; outputs come back in request order."""
+        go with requests[i]; outputs come back in request order. `mode`: a registered
+        strategy's name, or a strategy object (e.g. one with other parameters)."""
+        strategy = self.strategies.resolve(mode)
         if not isinstance(requests, RagRequest | list | tuple):
             raise BadRequestError(
                 f"expected a RagRequest or a list of them, got {type(requests).__name__}"
@@ -177,7 +211,7 @@ class LLM:
             forced = teacher_force[i] if teacher_force else None
             options = RequestOptions(tuple(forced or ())) if forced or keep_logits else None
             subs.append(
-                Submission(request, sampling, mode, budgets[i] if budgets else None, options)
+                Submission(request, sampling, strategy, budgets[i] if budgets else None, options)
             )
         with self._lock:
             completions = run_requests(self.engine, subs)
@@ -203,7 +237,7 @@ class LLM:
         self,
         request: RagRequest,
         sampling: SamplingParams | None = None,
-        mode: str = "cachecraft",
+        mode: str | ReuseStrategy = DEFAULT_STRATEGY,
         *,
         budgets: list[int | None] | None = None,
         forced: list[int] | None = None,
@@ -217,7 +251,8 @@ class LLM:
         `generate`; report.ttft_ms covers planning, KV assembly, the prefill and sampling the
         first token."""
         options = RequestOptions(tuple(forced or ()), force_answer, commit)
-        sub = Submission(request, sampling or SamplingParams(), mode, budgets, options)
+        strategy = self.strategies.resolve(mode)
+        sub = Submission(request, sampling or SamplingParams(), strategy, budgets, options)
         with self._lock:
             done = run_requests(self.engine, [sub])[0]
         extras = done.extras

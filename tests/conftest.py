@@ -12,6 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
 from cachecraft.store.redis_server import RedisServer, ValkeyCluster
+from cachecraft_bench.strategies import register
+
+register()  # the tests run the lab's baselines beside the product's strategies
 
 TINY_CONFIG = dict(
     vocab_size=49152,

@@ -11,16 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from cachecraft.config import MODES, ReuseConfig
+from cachecraft.api import CachecraftParams
+from cachecraft.config import ReuseConfig
 from cachecraft.config_file import load_reuse_overrides, read_config, write_config
 from cachecraft.errors import BadRequestError
+from cachecraft.llm import reuse_config
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import Chunk, RagRequest
 from cachecraft_bench.calibrate import calibrate, pick_alpha
 from cachecraft_bench.item import WorkloadItem, estimate_tokens
+from cachecraft_bench.modes import LAB_MODES as MODES
 from cachecraft_bench.quality import ABLATIONS, build_arms, run_quality
 from cachecraft_bench.quality_cli import add_bench_quality_parser, add_calibrate_parser
 from cachecraft_bench.quality_summary import FLAT_KEYS, flat_summary
+from cachecraft_bench.strategies import arm_settings
 from cachecraft_bench.workloads import build_workload, write_workload_file
 
 ISSUE_KEYS = (
@@ -107,7 +111,7 @@ def test_matched_budgets_request_by_request(all_modes: dict) -> None:
 
 
 def test_matched_budgets_when_cachecraft_skips_its_probe(tiny: LoadedModel) -> None:
-    skip = ReuseConfig(probe_max_cost=0.0)  # every probe costs more: the check instead
+    skip = {"probe_max_cost": 0.0}  # every probe costs more: the check instead
     res = run_quality(
         tiny, _items(3), ["cachecraft", "cacheblend", "prophet"], warmup=1, max_tokens=4,
         configs={"cachecraft": skip}, progress=False,
@@ -122,7 +126,7 @@ def test_matched_budgets_when_cachecraft_skips_its_probe(tiny: LoadedModel) -> N
 
 
 def test_cachecraft_recomputing_everything_equals_full(tiny: LoadedModel) -> None:
-    cfg = ReuseConfig(alpha=1e6, min_fix=1.0, early_termination=False)
+    cfg = {"alpha": 1e6, "min_fix": 1.0, "early_termination": False}
     res = run_quality(
         tiny, _items(3), ["cachecraft"], warmup=1, max_tokens=4, configs={"cachecraft": cfg},
         progress=False,
@@ -160,9 +164,9 @@ def test_sweep_has_a_point_per_parameter(tiny: LoadedModel) -> None:
 
 
 def test_equal_flops_arms_get_the_probe_and_check_cost_as_tokens(tiny: LoadedModel) -> None:
-    base = ReuseConfig(probe_depth=0.5, probe_check=3.0)
+    probe = {"cachecraft": {"probe_depth": 0.5, "probe_check": 3.0}}
     arms = ["cachecraft", "epic", "epic-flops", "cacheblend", "cacheblend-flops"]
-    res = run_quality(tiny, _items(4), arms, base=base, warmup=1, max_tokens=2, progress=False)
+    res = run_quality(tiny, _items(4), arms, configs=probe, warmup=1, max_tokens=2, progress=False)
     requests = res["workloads"]["workload"]["requests"]
     cc = requests["cachecraft"]
     assert any(r["chunk_hit_rate"] for r in cc), "no chunk was reused"
@@ -197,21 +201,23 @@ def test_arms_order_ablations_and_budget_source() -> None:
     by_name = {a.name: a for a in arms}
     assert by_name["random"].budget_from == "cachecraft"
     assert "cachecraft-no-focus" not in by_name  # a no-op under the global split: removed
-    assert by_name["cachecraft-half-probe"].config.probe_depth == 0.5
+    assert by_name["cachecraft-half-probe"].strategy.params.probe_depth == 0.5
     assert by_name["random"].match == "tokens"
     flops = build_arms(["epic-flops", "cacheblend-global-flops"], ReuseConfig())
     by_flops = {a.name: a for a in flops}
     assert by_flops["epic-flops"].mode == "epic" and by_flops["epic-flops"].match == "flops"
     cbg = by_flops["cacheblend-global-flops"]
-    assert cbg.mode == "cacheblend" and cbg.config.cacheblend_global and cbg.match == "flops"
+    assert (
+        cbg.mode == "cacheblend" and cbg.strategy.params.cacheblend_global and cbg.match == "flops"
+    )
     assert cbg.budget_from == "cachecraft"
     assert by_name["cachecraft-one-variant"].max_variants_per_chunk == 1
-    assert not by_name["cachecraft-no-order"].config.use_order_penalty
-    assert by_name["cachecraft-empty-paper"].config.empty_s_old == "paper"
-    assert by_name["cachecraft-need"].config.probe_split == "need"
+    assert not by_name["cachecraft-no-order"].strategy.params.use_order_penalty
+    assert by_name["cachecraft-empty-paper"].strategy.params.empty_s_old == "paper"
+    assert by_name["cachecraft-need"].strategy.params.probe_split == "need"
     assert by_name["cachecraft-need"].mode == "cachecraft"
     blend = by_name["cacheblend-global"]
-    assert blend.mode == "cacheblend" and blend.config.cacheblend_global
+    assert blend.mode == "cacheblend" and blend.strategy.params.cacheblend_global
     assert blend.budget_from == "cachecraft"
     paper = build_arms(["cachecraft-paper", "prophet"])
     assert [(a.name, a.mode) for a in paper][1:] == [
@@ -260,14 +266,14 @@ def test_calibration_picks_smallest_alpha_reaching_target(caplog) -> None:
 
 def test_config_file_roundtrip(tmp_path: Path) -> None:
     path = tmp_path / "cachecraft.json"
-    path.write_text(json.dumps({"reuse": {"epic_k": 8}, "other": 1}))
+    path.write_text(json.dumps({"reuse": {"refresh_error": 0.5}, "other": 1}))
     write_config(path, 0.25, target=0.9)
     data = read_config(path)
     assert data["other"] == 1 and data["calibration"] == {"target": 0.9}
-    assert load_reuse_overrides(path) == {"epic_k": 8, "alpha": 0.25}
+    assert load_reuse_overrides(path) == {"refresh_error": 0.5, "alpha": 0.25}
     path.write_text(json.dumps({"reuse": {"alpah": 1}}))
     with pytest.raises(BadRequestError, match="alpah"):
-        load_reuse_overrides(path)
+        reuse_config(**load_reuse_overrides(path))
     path.write_text("{not json")
     with pytest.raises(BadRequestError, match="not valid JSON"):
         read_config(path)
@@ -321,18 +327,24 @@ def test_arm_flag_adds_an_arm_with_its_own_reuse_options(
     base = ReuseConfig(alpha=0.3)
     name, cfg = parse_arm("cachecraft-x:probe_max_cost=none, probe_trim=true,alpha=0.7", base)
     assert name == "cachecraft-x"
-    assert cfg == replace(base, probe_max_cost=None, probe_trim=True, alpha=0.7)
-    _, cfg = parse_arm("cachecraft-y:probe_split=need,et_layer=3", base)
-    assert (cfg.probe_split, cfg.et_layer) == ("need", 3)
+    assert cfg == {"probe_max_cost": None, "probe_trim": True, "alpha": 0.7}
+    strategy, config, _ = arm_settings("cachecraft", cfg, base)
+    assert config == replace(base, alpha=0.7)
+    assert strategy.params == CachecraftParams(probe_max_cost=None, probe_trim=True)
+    _, cfg = parse_arm("cachecraft-y:probe_split=need", base)
+    assert cfg == {"probe_split": "need"}
+    _, cfg = parse_arm("cachecraft-paper-y:et_layer=3", base)
+    assert arm_settings("cachecraft-paper", cfg, base)[0].params.et_layer == 3
     for bad in ("cachecraft-x", "cachecraft-x:", "cachecraft-x:bogus=1", "cachecraft-x:alpha",
                 "cachecraft-x:alpha=high", "cachecraft-x:probe_split=both",
                 "cachecraft-x:probe_trim=maybe", "cachecraft-x:seed=3",
-                "cachecraft-x:probe_skip_share=2"):  # fmt: skip
+                "cachecraft-x:probe_skip_share=2", "cachecraft-x:et_layer=3",
+                "cachecraft-x:probe=1"):  # fmt: skip
         with pytest.raises(BadRequestError, match="--arm"):
             parse_arm(bad, base)
     for bad, says in (("probe_trim=maybe", "true or false"), ("alpha=high", "a number"),
                       ("probe_split=both", "one of need, global, chunk"),
-                      ("et_layer=x", "an integer or none")):  # fmt: skip
+                      ("probe_last_layer=x", "an integer or none")):  # fmt: skip
         with pytest.raises(BadRequestError, match=says):
             parse_arm(f"cachecraft-x:{bad}", base)
 

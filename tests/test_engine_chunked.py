@@ -16,6 +16,7 @@ from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.reuse.strategies import STRATEGIES
 from cachecraft.store.memory import MemoryStore
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -52,7 +53,9 @@ def _run(model: LoadedModel, config: EngineConfig) -> tuple[list[int], torch.Ten
     short = engine.submit(RagRequest("Hi?", []), SamplingParams(max_tokens=40, ignore_eos=True))
     engine.step()
     engine.step()  # the short one is decoding now
-    handle = engine.submit(_long_request(), GREEDY, "cachecraft", options=RequestOptions(()))
+    handle = engine.submit(
+        _long_request(), GREEDY, STRATEGIES.get("cachecraft"), options=RequestOptions(())
+    )
     tokens: list[int] = []
     extras = None
     while True:
@@ -86,7 +89,11 @@ def test_chunked_prefill_interleaves_decodes_and_equals_a_whole_prefill(
     assert (logits - whole_logits).abs().max() < 1e-4
     # the variants it stored carry the same statistics (merged over the pieces)
     for chunk in _long_request().chunks:
-        key = chunked.runner.plan(RagRequest("?", [chunk]), "cachecraft").layout.chunks[0].key
+        key = (
+            chunked.runner.plan(RagRequest("?", [chunk]), STRATEGIES.get("cachecraft"))
+            .layout.chunks[0]
+            .key
+        )
         got, want = chunked.runner.store.variants(key), whole.runner.store.variants(key)
         assert len(got) == len(want) == 1
         assert got[0].cci == pytest.approx(want[0].cci, abs=1e-4)

@@ -21,6 +21,7 @@ from cachecraft.errors import BadRequestError
 from cachecraft.llm import reuse_config
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.reuse.cachecraft import CachecraftParams, CachecraftStrategy
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.memory import MemoryStore
 from cachecraft.store.store import make_store
@@ -153,9 +154,10 @@ class WithoutPrefetch:
 def test_corrupt_chunk_in_a_batched_step_fails_nobody(tiny: LoadedModel, tmp_path: Path) -> None:
     # memory tier off: every hit is read layer by layer from disk, inside the forward step
     store = make_store(StoreConfig(cache_dir=str(tmp_path), memory_bytes=0, doorkeeper_threshold=1))
-    reuse = reuse_config(alpha=1e9, min_fix=1.0, early_termination=False)
+    reuse = reuse_config(alpha=1e9, min_fix=1.0)
     runner = Runner(tiny, WithoutPrefetch(store), reuse)  # type: ignore[arg-type]
-    engine = Engine(runner, EngineConfig(mode="cachecraft")).start()
+    everything = CachecraftStrategy(CachecraftParams(early_termination=False))
+    engine = Engine(runner, EngineConfig(mode="cachecraft"), strategy=everything).start()
     try:
         rag = RagRequest("Which planet has rings?", [Chunk(d) for d in DOCS])
         assert isinstance(run(engine.submit(rag, GREEDY)), Finished)  # stores both chunks
@@ -208,10 +210,9 @@ def test_a_failed_shared_probe_pass_runs_each_probe_alone(tiny: LoadedModel) -> 
     loaded = dataclasses.replace(tiny, model=model)
     engine = Engine(
         # probes run whatever their cost, so both requests probe (not a check instead)
-        Runner(
-            loaded, MemoryStore(1 << 30, storage_dtype="float32"), reuse_config(probe_max_cost=None)
-        ),
+        Runner(loaded, MemoryStore(1 << 30, storage_dtype="float32")),
         EngineConfig(mode="cachecraft"),
+        strategy=CachecraftStrategy(CachecraftParams(probe_max_cost=None)),
     ).start()
     try:
         rag = RagRequest("Which planet has rings?", [Chunk(d) for d in DOCS])

@@ -19,6 +19,7 @@ from cachecraft.model.loader import LoadedModel
 from cachecraft.model.reference import greedy_tokens
 from cachecraft.model.step import SeqWork
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.reuse.strategies import STRATEGIES
 from cachecraft.store.config import StoreConfig
 
 DOCS = [
@@ -37,7 +38,7 @@ def _old_answer(llm: LLM, request: RagRequest, mode: str, forced: list[int]) -> 
     """The single-request path the engine replaced: prefill, teacher-force after the prompt,
     then greedy decoding one forward step per token, then commit."""
     runner = llm.runner
-    job, outcome = runner.prefill(request, mode, extra_capacity=STEPS + len(forced))
+    job, outcome = runner.prefill(request, STRATEGIES.get(mode), extra_capacity=STEPS + len(forced))
     n = outcome.report.prompt_tokens
     pos = torch.arange(n, n + len(forced))
     work = SeqWork(job.kv, torch.tensor(forced), pos, logits_for="all")

@@ -16,6 +16,7 @@ from cachecraft.engine.runner import Runner
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.reuse.strategies import STRATEGIES
 from cachecraft.store.memory import MemoryStore
 
 WORDS = [
@@ -42,7 +43,7 @@ def _request(i: int, num_words: int) -> RagRequest:
 def _answers(m: LoadedModel, config: EngineConfig, requests: list[RagRequest]) -> list:
     engine = Engine(Runner(m, MemoryStore(1 << 28)), config, caller_driven=True)
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
-    subs = [Submission(r, greedy, "cachecraft") for r in requests]
+    subs = [Submission(r, greedy, STRATEGIES.get("cachecraft")) for r in requests]
     outs = run_requests(engine, subs)
     if engine.pool is not None:
         engine.pool.check_integrity()
@@ -174,7 +175,7 @@ def test_an_idle_engine_warms_its_pool_and_answers_as_one_that_does_not(
         assert pool.num_unwarmed == 0 and pool.capacity >= 128
         greedy = SamplingParams(max_tokens=6, ignore_eos=True)
         for request, tokens in zip(requests, want, strict=True):
-            handle = engine.submit(request, greedy, "cachecraft")
+            handle = engine.submit(request, greedy, STRATEGIES.get("cachecraft"))
             event = handle.get(timeout=60)
             while not isinstance(event, Finished | Failed):
                 event = handle.get(timeout=60)

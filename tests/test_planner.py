@@ -6,14 +6,13 @@ Layout used throughout: prefix (3 tokens) | A (4) | B (5) | C (3) | question (2)
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
 import pytest
-from plan_helpers import make_layout
+from plan_helpers import make_layout, settings
 
-from cachecraft.config import MODES, ReuseConfig
+from cachecraft.errors import BadRequestError
 from cachecraft.reuse.keys import chunk_key, prefix_key
 from cachecraft.reuse.plan import PromptLayout, RecomputePlan
 from cachecraft.reuse.planner import (
@@ -24,7 +23,9 @@ from cachecraft.reuse.planner import (
     resolve_probe,
     without_prefix_hit,
 )
+from cachecraft.reuse.stats import Scoring
 from cachecraft.store.meta import VariantMeta
+from cachecraft_bench.modes import LAB_MODES as MODES
 
 SIZES = {"A": 4, "B": 5, "C": 3, "D": 10, "X": 6}
 B_SCORES = (0.1, 0.5, 0.3, 0.5, 0.2)
@@ -66,15 +67,16 @@ def variant(
 V_A = variant("A", ())
 V_B = variant("B", ("X", "A"), (3.0, 1.0), scores=B_SCORES)
 VARIANTS = {"A": [V_A], "B": [V_B]}
-CONFIG = ReuseConfig(alpha=0.5, beta_rule="paper")
-HONEST = ReuseConfig(alpha=0.5)
+CONFIG = dict(alpha=0.5, beta_rule="paper")
+HONEST = Scoring(alpha=0.5)
 
 
 def plan(
     mode: str, variants=VARIANTS, config=CONFIG, budgets=None, lay=None, prefix_hit=True
 ) -> RecomputePlan:
     lay = lay or layout("A", "B", "C")
-    return plan_request(lay, variants, mode, config, 30, budgets, prefix_hit)
+    strategy, reuse = settings(mode, config, shared=True)
+    return plan_request(lay, variants, strategy, reuse, 30, budgets, prefix_hit)
 
 
 def counts(p: RecomputePlan) -> list[int]:
@@ -90,7 +92,7 @@ def test_planner_never_imports_torch() -> None:
 
 
 def test_unknown_mode_names_valid_modes() -> None:
-    with pytest.raises(ValueError, match="cachecraft"):
+    with pytest.raises(BadRequestError, match="unknown mode 'magic'; choose one of full, prefix, "):
         plan("magic")
 
 
@@ -113,7 +115,7 @@ def test_full_mode_reuses_nothing() -> None:
 def test_every_reuse_mode_serves_the_system_prefix_from_cache(mode: str) -> None:
     assert plan(mode).prefix_hit
     assert 0 not in resolved(plan(mode)).rows()
-    config = dataclasses.replace(CONFIG, probe_max_cost=None)  # the prefix's rows keep the probe
+    config = dict(CONFIG, probe_max_cost=None)  # the prefix's rows keep the probe
     missed = plan(mode, config=config, prefix_hit=False)
     assert missed.num_rows == plan(mode, config=config).num_rows + 3
 
@@ -176,22 +178,24 @@ def test_cachecraft_paper_recomputes_ceil_cfo_n_top_scored_tokens() -> None:
 
 
 def test_cachecraft_paper_early_termination_settings() -> None:
-    assert plan("cachecraft-paper", config=ReuseConfig(et_layer=5)).early_exit.layer == 5
-    off = plan("cachecraft-paper", config=ReuseConfig(early_termination=False))
+    assert plan("cachecraft-paper", config=dict(et_layer=5)).early_exit.layer == 5
+    off = plan("cachecraft-paper", config=dict(early_termination=False))
     assert off.early_exit is None
 
 
 def test_cachecraft_float_noise_does_not_add_a_token() -> None:
     # alpha * CCI * (1 - beta') = 0.6 * 0.5 * 1 = 0.3, and 0.3 * 10 is 3.0000000000000004 in floats
     lay = layout("A", "D")
-    p = plan_request(lay, {"D": [variant("D", ())]}, "cachecraft-paper", ReuseConfig(alpha=0.6), 30)
+    p = plan_request(
+        lay, {"D": [variant("D", ())]}, *settings("cachecraft-paper", {"alpha": 0.6}), 30
+    )
     assert p.chunks[1].num_recompute == 3
 
 
 def test_novel_prefix_floor_applies_only_to_novel_prefixes() -> None:
     # B's new prefix (A) is inside its S_old (X, A); C's new prefix (A, B) holds B, absent from (A,).
     variants = {**VARIANTS, "C": [variant("C", ("A",))]}
-    p = plan("cachecraft-paper", variants, config=ReuseConfig(novel_prefix_min_fix=0.6))
+    p = plan("cachecraft-paper", variants, config=dict(novel_prefix_min_fix=0.6))
     assert p.chunks[1].cfo == pytest.approx(0.3)
     assert p.chunks[2].cfo == 0.6 and p.chunks[2].num_recompute == 2  # ceil(0.6 * 3)
 
@@ -199,7 +203,7 @@ def test_novel_prefix_floor_applies_only_to_novel_prefixes() -> None:
 def test_huge_alpha_recomputes_every_token() -> None:
     # B first (beta 0: its S_old is gone), A after B (S_old empty, 'safe' rule: beta 0).
     for mode in ("cachecraft-paper", "cachecraft"):
-        p = resolved(plan(mode, config=ReuseConfig(alpha=1e9), lay=layout("B", "A")))
+        p = resolved(plan(mode, config=dict(alpha=1e9), lay=layout("B", "A")))
         assert [c.cfo for c in p.chunks] == [1.0, 1.0]
         assert [c.recompute for c in p.chunks] == [(0, 1, 2, 3, 4), (0, 1, 2, 3)]
         assert p.num_rows == p.layout.num_tokens - 3
@@ -213,7 +217,7 @@ def test_variant_choice_picks_lowest_cfo() -> None:
 
 
 def test_variant_choice_ties_prefer_larger_beta_adj_then_first() -> None:
-    config = ReuseConfig(min_fix=0.9, beta_rule="paper")  # every CFO clamps to 0.9
+    config = Scoring(min_fix=0.9, beta_rule="paper")  # every CFO clamps to 0.9
     low = variant("B", ("X",))  # beta 0
     high = variant("B", ("A",))  # beta 1
     assert choose_variant([low, high], ("A",), config).variant is high
@@ -271,7 +275,7 @@ def test_random_explicit_budgets_clamp_and_skip_misses() -> None:
 
 def test_epic_recomputes_the_first_tokens() -> None:
     assert [c.recompute for c in plan("epic").chunks] == [(0, 1, 2, 3), (0, 1, 2, 3, 4), (0, 1, 2)]
-    p = plan("epic", config=ReuseConfig(epic_k=2))
+    p = plan("epic", config=dict(epic_k=2))
     assert [c.recompute for c in p.chunks] == [(0, 1), (0, 1), (0, 1, 2)]
     assert [c.recompute for c in plan("epic", budgets=[1, 3, None]).chunks][:2] == [(0,), (0, 1, 2)]
 
@@ -286,7 +290,7 @@ def test_cacheblend_leaves_selection_to_the_runner() -> None:
     assert p.deviation is not None and p.deviation.layer == 1 and p.deviation.total is None
     assert p.early_exit is None
     assert p.num_rows == 2 + 4 + 5 + 3  # every reused token runs to the check layer
-    g = plan("cacheblend", config=ReuseConfig(cacheblend_global=True))
+    g = plan("cacheblend", config=dict(cacheblend_global=True))
     assert g.deviation is not None and g.deviation.total == 2
 
 
@@ -340,9 +344,9 @@ def test_a_vanished_variant_or_prefix_replans_as_computed() -> None:
 def test_probe_sink_ranks_each_chunks_first_tokens_first(check: float) -> None:
     """With attention rising along each chunk, the probe picks a chunk's last tokens; with
     probe_sink 1 each probed chunk's first token comes first (as a candidate of the check)."""
-    base = dataclasses.replace(CONFIG, probe_check=check, probe_sink=0, probe_max_cost=None)
+    base = dict(CONFIG, probe_check=check, probe_sink=0, probe_max_cost=None)
     plain = resolved(plan("cachecraft", config=base))
-    sunk = resolved(plan("cachecraft", config=dataclasses.replace(base, probe_sink=1)))
+    sunk = resolved(plan("cachecraft", config=dict(base, probe_sink=1)))
     picked = [c for c in sunk.chunks if c.variant is not None and c.recompute]
     assert picked
     assert all(0 in c.recompute for c in picked)

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachecraft.config import MODES
 from cachecraft.engine.engine import EngineConfig
 from cachecraft.engine.sampling import SamplingParams, prompt_token_logprobs
 from cachecraft.errors import BadRequestError
@@ -17,6 +16,7 @@ from cachecraft.model.reference import prefill
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.reuse.layout import QUESTION_BLOCK, QUESTION_KEEP, build_layout
 from cachecraft.store.memory import MemoryStore
+from cachecraft_bench.modes import LAB_MODES as MODES
 
 TEXT = (
     "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889. "

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
-from plan_helpers import make_layout
+from plan_helpers import make_layout, settings
 
-from cachecraft.config import ReuseConfig
+from cachecraft.reuse.cachecraft import CachecraftParams
 from cachecraft.reuse.plan import PromptLayout, RecomputePlan
 from cachecraft.reuse.planner import plan_request, resolve_probe
+from cachecraft.reuse.stats import Scoring
 from cachecraft.reuse.variant_choice import choose_variant, honest_overlap
 from cachecraft.store.meta import VariantMeta
 
@@ -44,7 +44,8 @@ def variant(key, s_old=(), inter=(), cci=0.8, prefix="P", exact=True, scores=Non
 
 
 def plan(mode, variants, lay, config=None, budgets=None) -> RecomputePlan:
-    return plan_request(lay, variants, mode, config or ReuseConfig(), 30, budgets)
+    strategy, reuse = settings(mode, config)
+    return plan_request(lay, variants, strategy, reuse, 30, budgets)
 
 
 def test_modes_never_import_torch() -> None:
@@ -61,11 +62,11 @@ def test_new_chunks_in_front_lower_honest_beta_but_not_paper_beta() -> None:
     v = variant("B", ("A",), (2.0,))
     s_new, sizes = ("X", "Y", "A"), (6, 6, 4)
     # paper: all of S_old's mass is still in front -> beta 1, CFO 0, nothing recomputed
-    paper = choose_variant([v], s_new, ReuseConfig(beta_rule="paper"))
+    paper = choose_variant([v], s_new, Scoring(beta_rule="paper"))
     assert paper.beta == 1.0 and paper.cfo == 0.0
     # honest: 2.0 mass on 4 old tokens -> 0.5 per token -> 6.0 expected on 12 new tokens
     assert honest_overlap(v, s_new, sizes, "safe") == pytest.approx(2.0 / (2.0 + 6.0))
-    honest = choose_variant([v], s_new, ReuseConfig(), s_new_sizes=sizes)
+    honest = choose_variant([v], s_new, Scoring(), s_new_sizes=sizes)
     assert honest.beta == pytest.approx(0.25)
     assert honest.error == pytest.approx(0.8 * 0.75) and honest.cfo == pytest.approx(0.3)
 
@@ -74,8 +75,8 @@ def test_stale_variant_loses_to_one_with_more_context_in_front() -> None:
     stale = variant("B", ("A",), cci=0.6)  # paper: beta 1 after (X, A), CFO 0 -> preferred
     fresh = variant("B", ("X", "A"), cci=0.9, exact=False)
     s_new, sizes = ("X", "A"), (6, 4)
-    assert choose_variant([stale, fresh], s_new, ReuseConfig(beta_rule="paper")).variant is stale
-    got = choose_variant([stale, fresh], s_new, ReuseConfig(), s_new_sizes=sizes)
+    assert choose_variant([stale, fresh], s_new, Scoring(beta_rule="paper")).variant is stale
+    got = choose_variant([stale, fresh], s_new, Scoring(), s_new_sizes=sizes)
     assert got.variant is fresh and got.error == 0.0
     assert not got.is_exact_here  # its K/V were made after reused chunks: right context only
 
@@ -83,7 +84,7 @@ def test_stale_variant_loses_to_one_with_more_context_in_front() -> None:
 def test_prefix_key_mismatch_is_penalised() -> None:
     same = variant("B", ("A",), cci=0.8)
     other = variant("B", ("A",), cci=0.8, prefix="Q")
-    config = ReuseConfig(prefix_mismatch_penalty=0.5)
+    config = Scoring(prefix_mismatch_penalty=0.5)
     s_new = ("A",)
     assert choose_variant([same], s_new, config, s_new_sizes=(4,), prefix_key="P").error == 0.0
     got = choose_variant([other], s_new, config, s_new_sizes=(4,), prefix_key="P")
@@ -97,7 +98,7 @@ def test_prefix_key_mismatch_is_penalised() -> None:
 def test_variant_choice_prefers_exact_at_equal_error() -> None:
     approx = variant("B", ("A",), exact=False)
     exact = variant("B", ("A",), exact=True)
-    got = choose_variant([approx, exact], ("A",), ReuseConfig(), s_new_sizes=(4,))
+    got = choose_variant([approx, exact], ("A",), Scoring(), s_new_sizes=(4,))
     assert got.variant is exact and got.is_exact_here
 
 
@@ -134,11 +135,11 @@ def test_exact_and_approximate_variants_have_different_ids() -> None:
 def test_refresh_computes_a_stale_chunk_in_full() -> None:
     lay = layout("X", "B")
     variants = {"B": [variant("B", ("A",), cci=0.9)]}  # after X instead of A: error 0.9
-    p = plan("cachecraft", variants, lay, ReuseConfig(refresh_error=0.5))
+    p = plan("cachecraft", variants, lay, dict(refresh_error=0.5))
     b = p.chunks[1]
     assert b.variant is None and b.reason == "refresh" and b.error == pytest.approx(0.9)
     assert b.recompute == tuple(range(5)) and p.probe is None
-    probed = ReuseConfig(refresh_error=0.95, probe_max_cost=None)
+    probed = dict(refresh_error=0.95, probe_max_cost=None)
     kept = plan("cachecraft", variants, lay, probed).chunks[1]
     assert kept.is_hit and kept.select == "probe"
 
@@ -146,11 +147,11 @@ def test_refresh_computes_a_stale_chunk_in_full() -> None:
 def test_inherit_error_passes_a_stale_chunk_in_front_down() -> None:
     # B was cached after (X, A) with equal mass on each; now after (A) alone.
     b = variant("B", ("X", "A"), cci=0.9, exact=False)  # honest beta after (A): 1 / 2
-    inherit = ReuseConfig()  # the default
-    assert inherit.inherit_error
+    inherit = dict()  # the default
+    assert CachecraftParams().inherit_error
     # A reused in a new context (cached after Y): its predicted error 0.8 x (1 - 0) = 0.8
     stale_a = {"A": [variant("A", ("Y",), cci=0.8)], "B": [b]}
-    no_inherit = ReuseConfig(inherit_error=False)
+    no_inherit = dict(inherit_error=False)
     plain = plan("cachecraft", stale_a, layout("A", "B"), no_inherit).chunks[1]
     passed = plan("cachecraft", stale_a, layout("A", "B"), inherit).chunks[1]
     assert plain.beta == pytest.approx(0.5) and plain.error == pytest.approx(0.45)
@@ -158,7 +159,7 @@ def test_inherit_error_passes_a_stale_chunk_in_front_down() -> None:
     assert passed.beta == pytest.approx(0.1) and passed.error == pytest.approx(0.9 * 0.9)
     assert passed.cfo > plain.cfo
     # A computed in full (no variant) or refreshed passes nothing on
-    for variants, config in (({"B": [b]}, inherit), (stale_a, replace(inherit, refresh_error=0.5))):
+    for variants, config in (({"B": [b]}, inherit), (stale_a, {**inherit, "refresh_error": 0.5})):
         got = plan("cachecraft", variants, layout("A", "B"), config).chunks
         assert not got[0].is_hit and got[1].beta == pytest.approx(0.5)
 
@@ -171,9 +172,7 @@ def test_cachecraft_probe_spends_cfo_budget_by_need() -> None:
     # A after (X) cached after (Y): beta 0; B after (X, A) cached after (C): beta 0.
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",), cci=0.8)], "B": [variant("B", ("C",), cci=0.6)]}
-    config = ReuseConfig(
-        alpha=1.0, focus_threshold=0.0, probe_split="need", probe_check=0.0, probe_sink=0
-    )
+    config = dict(alpha=1.0, focus_threshold=0.0, probe_split="need", probe_check=0.0, probe_sink=0)
     p = plan("cachecraft", variants, lay, config)
     a, b = p.chunks[1], p.chunks[2]
     assert (a.select, b.select) == ("probe", "probe")
@@ -198,10 +197,10 @@ def test_unfocused_chunks_get_no_budget() -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",))]}
     need = {"probe_split": "need", "probe_check": 0.0}
-    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, focus_threshold=0.2, **need))
+    p = plan("cachecraft", variants, lay, dict(alpha=1.0, focus_threshold=0.2, **need))
     r = resolve_probe(p, _att(p, {1: [0.01] * 4, 2: [0.5] * 5}))  # A's share < 0.2
     assert r.chunks[1].recompute == () and len(r.chunks[2].recompute) == 5
-    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, early_termination=False, **need))
+    p = plan("cachecraft", variants, lay, dict(alpha=1.0, early_termination=False, **need))
     r = resolve_probe(p, _att(p, {1: [0.01] * 4, 2: [0.5] * 5}))
     assert len(r.chunks[1].recompute) > 0
 
@@ -209,7 +208,7 @@ def test_unfocused_chunks_get_no_budget() -> None:
 def test_probe_blend_keeps_question_attention_when_stored_scores_are_zero() -> None:
     lay = layout("X", "B")
     variants = {"B": [variant("B", ("C",), scores=(0.0,) * 5)]}
-    config = ReuseConfig(
+    config = dict(
         alpha=0.4, probe_blend=1.0, probe_check=0.0, probe_sink=0, probe_max_cost=None
     )  # ceil(0.4 * 0.8 * 5) = 2 tokens
     p = plan("cachecraft", variants, lay, config)
@@ -222,10 +221,10 @@ def test_a_budget_split_across_chunks_rounds_cfo_up_once() -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",), cci=0.55)], "B": [variant("B", ("C",), cci=0.44)]}
     for split, total in (("global", 5), ("need", 5), ("chunk", 6)):
-        p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0, probe_split=split))
+        p = plan("cachecraft", variants, lay, dict(alpha=1.0, probe_split=split))
         assert [c.budget for c in p.chunks[1:]] == [3, 3]
         assert p.probe is not None and p.probe.total == total, split
-    given = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0), budgets=[None, 1, None])
+    given = plan("cachecraft", variants, lay, dict(alpha=1.0), budgets=[None, 1, None])
     assert given.probe is not None and given.probe.total == 1 + 3  # given 1, B's 2.2 rounded up
 
 
@@ -237,7 +236,7 @@ def test_probe_splits_chunk_and_global() -> None:
         "cachecraft",
         variants,
         lay,
-        ReuseConfig(probe_split="chunk", probe_check=0.0, probe_max_cost=None),
+        dict(probe_split="chunk", probe_check=0.0, probe_max_cost=None),
     )
     r = resolve_probe(chunk, _att(chunk, att))
     assert [c.num_recompute for c in r.chunks[1:]] == [c.budget for c in chunk.chunks[1:]]
@@ -245,7 +244,7 @@ def test_probe_splits_chunk_and_global() -> None:
         "cachecraft",
         variants,
         lay,
-        ReuseConfig(probe_split="global", probe_check=0.0, probe_max_cost=None),
+        dict(probe_split="global", probe_check=0.0, probe_max_cost=None),
     )
     total = glob.probe.total
     r = resolve_probe(glob, _att(glob, att))
@@ -256,7 +255,7 @@ def test_probe_splits_chunk_and_global() -> None:
 def test_probe_check_makes_candidates_weighted_by_question_attention() -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",), cci=0.6)]}
-    cfg = ReuseConfig(alpha=0.5, probe_check=1.5, probe_sink=0, probe_check_power=1.0)
+    cfg = dict(alpha=0.5, probe_check=1.5, probe_sink=0, probe_check_power=1.0)
     p = plan("cachecraft", variants, lay, cfg)
     assert p.probe is not None and p.probe.check == 1.5 and p.probe.split == "global"
     total = p.probe.total
@@ -277,7 +276,7 @@ def test_probe_check_makes_candidates_weighted_by_question_attention() -> None:
         "cachecraft",
         variants,
         lay,
-        ReuseConfig(alpha=0.5, probe_check_score="deviation", probe_sink=0),
+        dict(alpha=0.5, probe_check_score="deviation", probe_sink=0),
     )
     r = resolve_probe(flat, _att(flat, att))
     assert r.deviation.weights == (None, (1.0,) * 4, (1.0,) * 5)  # 3 x 4 > 9: all
@@ -287,7 +286,7 @@ def test_probe_check_makes_candidates_weighted_by_question_attention() -> None:
 def test_probe_check_power_tempers_the_question_attention(power: float) -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",), cci=0.6)]}
-    cfg = ReuseConfig(probe_check=1.5, probe_sink=0, probe_check_power=power)
+    cfg = dict(probe_check=1.5, probe_sink=0, probe_check_power=power)
     p = plan("cachecraft", variants, lay, cfg)
     att = {1: [0.9, 0.0, 0.0, 0.8], 2: [0.1, 0.7, 0.2, 0.3, 0.6]}
     r = resolve_probe(p, _att(p, att))
@@ -297,7 +296,7 @@ def test_probe_check_power_tempers_the_question_attention(power: float) -> None:
     assert none is None and a == pytest.approx((0.9**power, 0.8**power))
     assert b == pytest.approx(tuple(x**power for x in (0.7, 0.2, 0.3, 0.6)))
     with pytest.raises(ValueError, match="probe_check_power"):
-        plan("cachecraft", variants, lay, ReuseConfig(probe_check_power=-1.0))
+        plan("cachecraft", variants, lay, dict(probe_check_power=-1.0))
 
 
 def test_probe_check_everything_when_the_budget_is_everything() -> None:
@@ -314,14 +313,15 @@ def test_probe_check_everything_when_the_budget_is_everything() -> None:
 def test_prophet_is_one_global_budget_of_question_attention() -> None:
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("X",))], "B": [variant("B", ("X", "A"))]}
-    p = plan("prophet", variants, lay, ReuseConfig(prophet_ratio=0.3))
+    p = plan("prophet", variants, lay, dict(prophet_ratio=0.3))
     assert p.probe is not None and p.probe.total == 3  # ceil(0.3 * 9)
     assert p.probe.split == "global" and p.probe.focus_threshold == 0.0
     r = resolve_probe(p, _att(p, {1: [0.0, 0.5, 0.0, 0.0], 2: [0.4, 0.0, 0.0, 0.0, 0.3]}))
     assert r.chunks[1].recompute == (1,) and r.chunks[2].recompute == (0, 4)
     given = plan("prophet", variants, lay, budgets=[None, 1, 0])
     assert given.probe.total == 1
-    assert plan("prophet", variants, lay, ReuseConfig(probe_sink=4)).probe.sink == 0  # relevance
+    sink4 = dict(probe=CachecraftParams(probe_sink=4))
+    assert plan("prophet", variants, lay, sink4).probe.sink == 0  # relevance
     assert plan("prophet", {}, lay).probe is None  # nothing reused, nothing to probe
 
 
@@ -332,32 +332,32 @@ def test_probe_layers_are_clamped() -> None:
         "cachecraft",
         variants,
         lay,
-        ReuseConfig(probe_first_layer=50, probe_last_layer=99, probe_max_cost=None),
+        dict(probe_first_layer=50, probe_last_layer=99, probe_max_cost=None),
     )
     assert (p.probe.first_layer, p.probe.last_layer) == (29, 29)
-    p = plan("cachecraft", variants, lay, ReuseConfig(probe_last_layer=9, probe_max_cost=None))
+    p = plan("cachecraft", variants, lay, dict(probe_last_layer=9, probe_max_cost=None))
     assert (p.probe.first_layer, p.probe.last_layer) == (0, 9)
 
 
 def test_probe_depth_sets_the_last_layer_and_the_cost() -> None:
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}
-    full = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=None))
+    full = plan("cachecraft", variants, lay, dict(probe_max_cost=None))
     assert full.probe.last_layer == 29 and full.probe.layer_share == 1.0
     assert full.probe_cost == full.num_probe_rows  # every layer: one row each
-    half = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=0.5, probe_max_cost=None))
+    half = plan("cachecraft", variants, lay, dict(probe_depth=0.5, probe_max_cost=None))
     assert half.probe.last_layer == 14 and half.probe.layer_share == 0.5
     assert half.num_probe_rows == full.num_probe_rows
     assert half.probe_cost == pytest.approx(full.num_probe_rows * 15 / 30)
-    third = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=1 / 3, probe_max_cost=None))
+    third = plan("cachecraft", variants, lay, dict(probe_depth=1 / 3, probe_max_cost=None))
     assert third.probe.last_layer == 9
-    tiny = plan("cachecraft", variants, lay, ReuseConfig(probe_depth=0.0, probe_max_cost=None))
+    tiny = plan("cachecraft", variants, lay, dict(probe_depth=0.0, probe_max_cost=None))
     assert tiny.probe.last_layer == 0  # at least layer 0
     given = plan(
         "cachecraft",
         variants,
         lay,
-        ReuseConfig(probe_depth=0.5, probe_last_layer=20, probe_max_cost=None),
+        dict(probe_depth=0.5, probe_last_layer=20, probe_max_cost=None),
     )
     assert given.probe.last_layer == 20  # an explicit last layer wins
     assert plan("naive", variants, lay).probe_cost == 0.0
@@ -367,12 +367,12 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
     # X in full; A after (Y) reused after (X): beta 0, CFO 0.5 x 0.8 -> ceil(0.4 x 4) = 2.
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}
-    skip = ReuseConfig(probe_trim=False)  # skipped, not trimmed (see the next tests)
-    probed = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=None))
+    skip = dict(probe_trim=False)  # skipped, not trimmed (see the next tests)
+    probed = plan("cachecraft", variants, lay, dict(probe_max_cost=None))
     assert probed.probe is not None and probed.probe.total == 2 and probed.probe_cost == 2.0
-    kept = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=1.0))
+    kept = plan("cachecraft", variants, lay, dict(probe_max_cost=1.0))
     assert kept.probe == probed.probe  # the probe costs its budget: it still runs
-    p = plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=0.5, probe_trim=False))
+    p = plan("cachecraft", variants, lay, dict(probe_max_cost=0.5, probe_trim=False))
     a = p.chunks[1]
     assert p.probe is None and p.probe_cost == 0.0
     assert (a.select, a.recompute, a.reason) == ("deviation", (0, 1, 2, 3), "cfo+check")
@@ -383,14 +383,14 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
     assert p.num_rows == 6 + 4 + 2  # X, every A token to the check layer, the question
     # a shallow model checks below its top layer, where a check could still stop candidates
     for num_layers, want in ((4, 2), (3, 1), (1, 0)):
-        at_budget = ReuseConfig(probe_max_cost=1.0)
-        shallow = plan_request(lay, variants, "cachecraft", at_budget, num_layers, None)
+        at_budget = dict(probe_max_cost=1.0)
+        shallow = plan_request(lay, variants, *settings("cachecraft", at_budget), num_layers, None)
         assert shallow.probe is not None and shallow.probe.check_layer == want
-        cheap = ReuseConfig(probe_max_cost=0.5, probe_trim=False)
-        shallow = plan_request(lay, variants, "cachecraft", cheap, num_layers, None)
+        cheap = dict(probe_max_cost=0.5, probe_trim=False)
+        shallow = plan_request(lay, variants, *settings("cachecraft", cheap), num_layers, None)
         assert shallow.deviation is not None and shallow.deviation.layer == want
     # Without the prefix cache the probe would also run the 3 prefix rows: 5 > 2 x 1.0.
-    miss = plan_request(lay, variants, "cachecraft", skip, 30, None, False)
+    miss = plan_request(lay, variants, *settings("cachecraft", skip), 30, None, False)
     assert miss.probe is None and miss.deviation is not None
     assert miss.deviation.total == 4  # 2 + 5, at most A's 4 tokens
     two = plan("cachecraft", {**variants, "B": [variant("B", ("Y",))]}, layout("X", "A", "B"), skip)
@@ -399,12 +399,12 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
         "cachecraft",
         {**variants, "B": [variant("B", ("Y",))]},
         layout("X", "A", "B"),
-        ReuseConfig(probe_max_cost=0.0, probe_trim=False),
+        dict(probe_max_cost=0.0, probe_trim=False),
     )
     assert two.deviation is not None and two.deviation.total == 2 + 2 + 2
     assert [c.budget for c in two.chunks[1:]] == [3, 3]  # 6 spread over A (4) and B (5)
     with pytest.raises(ValueError, match="probe_max_cost"):
-        plan("cachecraft", variants, lay, ReuseConfig(probe_max_cost=-1.0))
+        plan("cachecraft", variants, lay, dict(probe_max_cost=-1.0))
 
 
 def test_a_skipped_probe_gives_the_share_of_its_rows_it_is_told_to() -> None:
@@ -412,12 +412,12 @@ def test_a_skipped_probe_gives_the_share_of_its_rows_it_is_told_to() -> None:
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}
     for share, total in ((1.0, 2 + 2), (0.5, 2 + 1), (0.0, 2)):
-        p = plan("cachecraft", variants, lay, ReuseConfig(probe_skip_share=share, probe_trim=False))
+        p = plan("cachecraft", variants, lay, dict(probe_skip_share=share, probe_trim=False))
         assert p.probe is None and p.deviation is not None
         assert p.deviation.total == total == p.chunks[1].budget
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="probe_skip_share"):
-            plan("cachecraft", variants, lay, ReuseConfig(probe_skip_share=bad))
+            plan("cachecraft", variants, lay, dict(probe_skip_share=bad))
 
 
 def test_a_trimmed_probe_runs_the_last_question_rows_that_fit() -> None:
@@ -425,20 +425,20 @@ def test_a_trimmed_probe_runs_the_last_question_rows_that_fit() -> None:
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}
     for share, total in ((1.0, 2 + 1), (0.0, 2)):
-        config = ReuseConfig(probe_trim=True, probe_skip_share=share)
+        config = dict(probe_trim=True, probe_skip_share=share)
         p = plan("cachecraft", variants, lay, config)
         assert p.probe is not None and p.deviation is None
         assert p.probe.question_rows == 1 and p.num_probe_rows == 1 and p.probe_cost == 1.0
         assert p.probe.total == total  # the budget, plus the share of the row left out
-    whole = plan("cachecraft", variants, lay, ReuseConfig(probe_trim=True, probe_max_cost=1.0))
+    whole = plan("cachecraft", variants, lay, dict(probe_trim=True, probe_max_cost=1.0))
     assert whole.probe is not None and whole.probe.question_rows is None  # it fits: untrimmed
     assert whole.num_probe_rows == 2
     # Not one row fits (no cost at all; or the 3 uncached prefix rows alone cost more): the
     # check instead, as without trimming.
-    none = plan("cachecraft", variants, lay, ReuseConfig(probe_trim=True, probe_max_cost=0.0))
+    none = plan("cachecraft", variants, lay, dict(probe_trim=True, probe_max_cost=0.0))
     assert none.probe is None and none.deviation is not None
-    trim = ReuseConfig(probe_trim=True)
-    miss = plan_request(lay, variants, "cachecraft", trim, 30, None, False)
+    trim = dict(probe_trim=True)
+    miss = plan_request(lay, variants, *settings("cachecraft", trim), 30, None, False)
     assert miss.probe is None and miss.deviation is not None and miss.deviation.total == 4
 
 
@@ -454,7 +454,7 @@ def test_a_zero_budget_runs_no_probe() -> None:
 
 def test_resolve_rejects_attention_of_the_wrong_shape() -> None:
     lay = layout("X", "A")
-    p = plan("cachecraft", {"A": [variant("A", ("Y",))]}, lay, ReuseConfig(probe_max_cost=None))
+    p = plan("cachecraft", {"A": [variant("A", ("Y",))]}, lay, dict(probe_max_cost=None))
     with pytest.raises(ValueError):
         resolve_probe(p, [None])
     with pytest.raises(ValueError):
@@ -477,8 +477,9 @@ def test_resolve_rejects_attention_of_the_wrong_shape() -> None:
     ],
 )
 def test_bad_settings_are_clear_errors(bad: dict) -> None:
+    mode = "prophet" if "prophet_ratio" in bad else "cachecraft"
     with pytest.raises(ValueError, match=next(iter(bad))):
-        plan("cachecraft", {}, layout("A"), ReuseConfig(**bad))
+        plan(mode, {}, layout("A"), dict(**bad))
 
 
 def test_a_vanished_probed_chunk_leaves_the_probe_budget() -> None:
@@ -486,7 +487,7 @@ def test_a_vanished_probed_chunk_leaves_the_probe_budget() -> None:
 
     lay = layout("X", "A", "B")
     variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",))]}
-    p = plan("cachecraft", variants, lay, ReuseConfig(alpha=1.0))
+    p = plan("cachecraft", variants, lay, dict(alpha=1.0))
     a_budget = p.chunks[1].budget
     q = as_miss(p, 1)
     assert q.chunks[1].reason == "vanished" and q.probe.total == p.probe.total - a_budget

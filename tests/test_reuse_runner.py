@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from cachecraft.api import chat_request
-from cachecraft.config import MODES
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError, ContextLengthError
 from cachecraft.llm import LLM
@@ -16,7 +15,9 @@ from cachecraft.model.kv import KVCache
 from cachecraft.request import DEFAULT_SYSTEM, Chunk, RagRequest
 from cachecraft.reuse.layout import QUESTION_BLOCK, QUESTION_KEEP, build_layout, template_parts
 from cachecraft.reuse.plan import RecomputePlan
+from cachecraft.reuse.strategies import STRATEGIES
 from cachecraft.store.memory import MemoryStore
+from cachecraft_bench.modes import LAB_MODES as MODES
 
 DOCS = [
     "The Eiffel Tower is a wrought-iron lattice tower in Paris, completed in 1889.",
@@ -280,23 +281,30 @@ EVERYTHING = dict(
 )
 
 
-@pytest.mark.parametrize(
-    "mode,extra",
-    [
-        ("cachecraft", {}),
-        ("cachecraft", {"probe_split": "need", "probe_check": 0.0}),
-        ("cachecraft", {"probe_check_score": "deviation"}),
-        ("cachecraft", {"probe_blend": 1.0, "probe_last_layer": 1}),
-        ("cachecraft", {"probe_depth": 0.5}),
-        ("cachecraft", {"probe_max_cost": 0.0}),  # the check instead of the probe
-        ("cachecraft-paper", {}),
-        ("prophet", {}),
-        ("epic", {}),
-        ("random", {}),
-        ("cacheblend", {}),
-        ("cacheblend", {"cacheblend_global": True}),
-    ],
-)
+TOLD_TO_COMPUTE_EVERYTHING = [
+    ("cachecraft", {}),
+    ("cachecraft", {"probe_split": "need", "probe_check": 0.0}),
+    ("cachecraft", {"probe_check_score": "deviation"}),
+    ("cachecraft", {"probe_blend": 1.0, "probe_last_layer": 1}),
+    ("cachecraft", {"probe_depth": 0.5}),
+    ("cachecraft", {"probe_max_cost": 0.0}),  # the check instead of the probe
+    ("cachecraft-paper", {}),
+    ("prophet", {}),
+    ("epic", {}),
+    ("random", {}),
+    ("cacheblend", {}),
+    ("cacheblend", {"cacheblend_global": True}),
+    ("naive", {}),  # told nothing: it recomputes no reused token (checked below)
+    ("prefix", {}),
+    ("full", {}),
+]
+
+
+def test_compute_everything_covers_every_registered_strategy() -> None:
+    assert {m for m, _ in TOLD_TO_COMPUTE_EVERYTHING} == set(STRATEGIES.names())
+
+
+@pytest.mark.parametrize("mode,extra", TOLD_TO_COMPUTE_EVERYTHING)
 def test_every_mode_told_to_compute_everything_equals_full(
     tiny_dir: Path, mode: str, extra: dict
 ) -> None:
@@ -306,7 +314,13 @@ def test_every_mode_told_to_compute_everything_equals_full(
     request = _req([2, 0, 3, 1])
     full = _run(llm, request, "full")
     out = _run(llm, request, mode)
-    assert [c.is_hit for c in out.report.chunks] == [True, True, False, True]
+    strategy = STRATEGIES.get(mode)
+    if mode == "naive":  # nothing recomputed: the reused chunks' K/V are stale
+        assert [c.is_hit for c in out.report.chunks] == [True, True, False, True]
+        assert all(c.tokens_recomputed == 0 for c in out.report.chunks if c.is_hit)
+        return
+    reuses = strategy.reads_store and not strategy.exact_only  # nothing here is exact
+    assert [c.is_hit for c in out.report.chunks] == [reuses, reuses, False, reuses]
     assert all(c.tokens_recomputed == c.num_tokens for c in out.report.chunks)
     assert (out.first_token_logits - full.first_token_logits).abs().max() < 1e-4
     assert out.token_ids == full.token_ids
@@ -342,7 +356,7 @@ def _spliced(llm: LLM, request: RagRequest):
     from cachecraft.model.kv import KVCache
 
     runner = llm.runner
-    plan = runner.plan(request, "cachecraft")
+    plan = runner.plan(request, llm.strategies.get("cachecraft"))
     m, layout = llm.loaded, plan.layout
     kv = KVCache(m.arch, layout.num_tokens, m.model.dtype, m.model.device)
     prefix = runner.prefix_cache.get(layout.prefix_key)

@@ -10,6 +10,7 @@ import pytest
 from cachecraft.config import ReuseConfig
 from cachecraft.reuse.selectors import top_scored as top_tokens
 from cachecraft.reuse.stats import (
+    Scoring,
     cache_fix_overhead,
     cci,
     order_penalty,
@@ -132,38 +133,38 @@ def test_gamma_counts_only_common_chunks() -> None:
 
 def test_cfo_formula_with_order_penalty() -> None:
     # beta' = 0.5 * 0.5 = 0.25; CFO = 0.5 * 0.8 * 0.75 = 0.3
-    beta_adj, cfo = cache_fix_overhead(0.8, 0.5, 0.5, ReuseConfig(alpha=0.5), False)
+    beta_adj, cfo = cache_fix_overhead(0.8, 0.5, 0.5, Scoring(alpha=0.5), False)
     assert beta_adj == pytest.approx(0.25)
     assert cfo == pytest.approx(0.3)
 
 
 def test_cfo_order_penalty_off() -> None:
-    config = ReuseConfig(alpha=0.5, use_order_penalty=False)
+    config = Scoring(alpha=0.5, use_order_penalty=False)
     beta_adj, cfo = cache_fix_overhead(0.8, 0.5, 0.5, config, False)
     assert beta_adj == 0.5
     assert cfo == pytest.approx(0.2)
 
 
 def test_cfo_min_and_max_fix_clamp() -> None:
-    assert cache_fix_overhead(0.8, 0.5, 0.5, ReuseConfig(min_fix=0.4), False)[1] == 0.4
-    assert cache_fix_overhead(0.8, 0.5, 0.5, ReuseConfig(max_fix=0.1), False)[1] == 0.1
-    assert cache_fix_overhead(0.8, 1.0, 0.0, ReuseConfig(min_fix=0.2), False)[1] == 0.2
+    assert cache_fix_overhead(0.8, 0.5, 0.5, Scoring(min_fix=0.4), False)[1] == 0.4
+    assert cache_fix_overhead(0.8, 0.5, 0.5, Scoring(max_fix=0.1), False)[1] == 0.1
+    assert cache_fix_overhead(0.8, 1.0, 0.0, Scoring(min_fix=0.2), False)[1] == 0.2
 
 
 def test_cfo_novel_prefix_floor() -> None:
-    config = ReuseConfig(novel_prefix_min_fix=0.5)
+    config = Scoring(novel_prefix_min_fix=0.5)
     assert cache_fix_overhead(0.8, 0.5, 0.5, config, True)[1] == 0.5
     assert cache_fix_overhead(0.8, 0.5, 0.5, config, False)[1] == pytest.approx(0.3)
-    capped = ReuseConfig(novel_prefix_min_fix=0.5, max_fix=0.4)
+    capped = Scoring(novel_prefix_min_fix=0.5, max_fix=0.4)
     assert cache_fix_overhead(0.8, 0.5, 0.5, capped, True)[1] == 0.4
 
 
 def test_cfo_huge_alpha_is_one() -> None:
-    assert cache_fix_overhead(0.6, 0.1, 0.0, ReuseConfig(alpha=1e9), False)[1] == 1.0
+    assert cache_fix_overhead(0.6, 0.1, 0.0, Scoring(alpha=1e9), False)[1] == 1.0
 
 
 def test_cfo_full_overlap_is_zero() -> None:
-    assert cache_fix_overhead(0.99, 1.0, 0.0, ReuseConfig(alpha=1e9), False)[1] == 0.0
+    assert cache_fix_overhead(0.99, 1.0, 0.0, Scoring(alpha=1e9), False)[1] == 0.0
 
 
 # --- top-N -------------------------------------------------------------------------------------

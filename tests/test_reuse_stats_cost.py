@@ -9,6 +9,7 @@ from pathlib import Path
 from cachecraft.engine.runner import Runner
 from cachecraft.llm import LLM
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.reuse.strategies import STRATEGIES
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.store import make_store
 
@@ -23,7 +24,7 @@ def _req() -> RagRequest:
 
 
 def _prefill(runner: Runner, mode: str, precompute: bool = False):
-    job = runner.start(runner.plan(_req(), mode), precompute=precompute)
+    job = runner.start(runner.plan(_req(), STRATEGIES.get(mode)), precompute=precompute)
     result = runner.loaded.model.forward_step([job.work])[0]
     return job, result, runner.finish(job, result)
 
@@ -58,11 +59,11 @@ def test_full_and_prefix_never_pay_for_statistics(tiny_dir: Path) -> None:
     # prefix mode still stores its chunks (K/V only, conservative metadata) for exact reuse.
     metas = [
         m
-        for d in llm.runner.plan(_req(), "prefix").layout.chunks
+        for d in llm.runner.plan(_req(), STRATEGIES.get("prefix")).layout.chunks
         for m in llm.store.variants(d.key)
     ]
     assert len(metas) == 2 and all(m.cci == 1.0 for m in metas)
-    again = llm.runner.plan(_req(), "prefix")
+    again = llm.runner.plan(_req(), STRATEGIES.get("prefix"))
     assert all(cp.variant is not None for cp in again.chunks)
 
 
@@ -81,9 +82,9 @@ def test_the_runner_follows_the_plans_measure_stats_not_its_mode(tiny_dir: Path)
 
     llm = LLM(str(tiny_dir))
     runner = llm.runner
-    assert not runner.plan(_req(), "prefix").measure_stats
-    assert runner.plan(_req(), "cachecraft").measure_stats
-    plan = replace(runner.plan(_req(), "cachecraft"), measure_stats=False)
+    assert not runner.plan(_req(), STRATEGIES.get("prefix")).measure_stats
+    assert runner.plan(_req(), STRATEGIES.get("cachecraft")).measure_stats
+    plan = replace(runner.plan(_req(), STRATEGIES.get("cachecraft")), measure_stats=False)
     job = runner.start(plan)
     result = runner.loaded.model.forward_step([job.work])[0]
     assert job.work.span_bounds is None and result.span_mass_layers is None

@@ -281,7 +281,7 @@ def test_concurrent_clients_match_sequential(url: str, small: LoadedModel) -> No
 
 def test_cfo_one_answers_like_full(small: LoadedModel) -> None:
     # float32 storage: the one exact reuse (first chunk) then splices bit-identical K/V
-    forced = ReuseConfig(alpha=1e9, early_termination=False)
+    forced = ReuseConfig(alpha=1e9)
     exact = StoreConfig(storage_dtype="float32")
     with start_server("cachecraft", loaded=small, reuse=forced, store=exact) as base:
         r = httpx.post(base + "/v1/chunks", json={"documents": [{"text": t} for t in DOCS]})

@@ -26,12 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openapi_strategies import ANY_JSON, TEXT, from_schema
 
-from cachecraft.config import MODES
 from cachecraft.engine.engine import EngineConfig
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.server.app import create_app
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.launch import build_stack, close_stack, serve_app
+from cachecraft_bench.modes import LAB_MODES as MODES
 
 EXAMPLES = int(os.environ.get("CACHECRAFT_FUZZ_EXAMPLES", "50"))
 FUZZ = settings(

@@ -24,6 +24,7 @@ from cachecraft.engine.sampling import SamplingParams
 from cachecraft.llm import reuse_config
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import Chunk, RagRequest
+from cachecraft.reuse.cachecraft import CachecraftParams, CachecraftStrategy
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.store import TieredStore
 
@@ -173,8 +174,12 @@ def test_the_engine_answers_while_its_variants_wait_for_the_writer(
     tiny: LoadedModel, tmp_path: Path
 ) -> None:
     store = disk_store(tmp_path, memory_bytes=0)  # only the writer holds them meanwhile
-    reuse = reuse_config(alpha=1e9, min_fix=1.0, early_termination=False)
-    engine = Engine(Runner(tiny, store, reuse), EngineConfig(mode="cachecraft")).start()
+    reuse = reuse_config(alpha=1e9, min_fix=1.0)
+    everything = CachecraftStrategy(CachecraftParams(early_termination=False))
+    engine = Engine(
+        Runner(tiny, store, reuse), EngineConfig(mode="cachecraft"), strategy=everything
+    )
+    engine.start()
     rag = RagRequest("Which planet has rings?", [Chunk("Saturn has rings."), Chunk("Mars is red.")])
     greedy = SamplingParams(max_tokens=3, ignore_eos=True)
     try:

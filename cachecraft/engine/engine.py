@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cachecraft.config import MODES
 from cachecraft.engine.handle import (
     Failed,
     Finished,
@@ -47,13 +46,14 @@ from cachecraft.engine.sampling import (
     token_logprobs,
 )
 from cachecraft.engine.scheduler import QueueFull, Scheduler
-from cachecraft.errors import BadRequestError
 from cachecraft.model.kv import KVCache
 from cachecraft.model.kv_pool import KVPool
 from cachecraft.model.step import DecodeBatch, SeqResult, SeqWork, merge_results, piece
 from cachecraft.request import RagRequest
 from cachecraft.reuse.layout import PromptLayout
 from cachecraft.reuse.plan import RecomputePlan
+from cachecraft.reuse.strategies import FULL, STRATEGIES
+from cachecraft.reuse.strategy import ReuseStrategy
 from cachecraft.store.codec import CorruptVariantError
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,9 @@ class EngineConfig:
     kv_warm_positions: int = 1024
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.mode not in STRATEGIES:
+            names = ", ".join(STRATEGIES.names())
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {names}")
         for name in ("kv_pool_mib", "kv_warm_positions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -126,7 +127,7 @@ class _Live:
     handle: RequestHandle
     request: RagRequest
     sampling: SamplingParams
-    mode: str
+    strategy: ReuseStrategy
     budgets: list[int | None] | None
     t_submit: float
     state: SeqState | None = None
@@ -148,10 +149,10 @@ class _Live:
     offers: frozenset[Offer] = frozenset()
     """The chunk-caches its prefill will offer the store (set when it starts)."""
     repeat: bool = False
-    """A `cachecraft` request whose very prompt an earlier one prefilled in that mode
+    """Its strategy remembers prompts and an earlier request prefilled this very one with it
     (`ReuseConfig.refresh_repeats`)."""
     prompt_hash: int | None = None
-    """Its prompt's hash, remembered once its prefill is done (`cachecraft` mode only)."""
+    """Its prompt's hash, remembered once its prefill is done (`remembers_prompts` only)."""
     prompt_ids: tuple[int, ...] = ()
     """Its prompt's token ids, kept only for a repetition penalty (read at every token) or
     prompt log-probabilities."""
@@ -163,7 +164,12 @@ class Engine:
     """Owns the runner and the step thread. `start()` before `submit`, `stop()` at the end."""
 
     def __init__(
-        self, runner: Runner, config: EngineConfig | None = None, *, caller_driven: bool = False
+        self,
+        runner: Runner,
+        config: EngineConfig | None = None,
+        *,
+        caller_driven: bool = False,
+        strategy: ReuseStrategy | None = None,
     ) -> None:
         self.runner = runner
         self.caller_driven = caller_driven
@@ -201,8 +207,11 @@ class Engine:
         self._released: list[KVCache] = []  # caches of requests that ended this step
         self._warm = False  # `_warm_kernels` ran
         self._prompts: OrderedDict[int, None] = OrderedDict()
-        """Hashes of the last MAX_PROMPTS_SEEN prompts prefilled in `cachecraft` mode (one sent
-        again is a repeat, and refreshed)."""
+        """Hashes of the last MAX_PROMPTS_SEEN prompts prefilled by a strategy that remembers
+        prompts (one sent again is a repeat, and refreshed)."""
+        self.default_strategy = strategy or STRATEGIES.get(c.mode)
+        """Requests submitted without a strategy use this one (`strategy`, else the one
+        registered as EngineConfig.mode)."""
 
     # ---- other threads ----------------------------------------------------------------------
     @property
@@ -232,18 +241,17 @@ class Engine:
         self,
         request: RagRequest,
         sampling: SamplingParams | None = None,
-        mode: str | None = None,
+        strategy: ReuseStrategy | None = None,
         budgets: list[int | None] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         layout: PromptLayout | None = None,
         options: RequestOptions | None = None,
     ) -> RequestHandle:
-        """Queue a request. Raises QueueFull (backpressure), BadRequestError (unknown mode) or
-        EngineStopped; planning errors (context length, ...) arrive as a Failed event.
-        `layout`: the request already tokenized (`runner.layout(request)`, on any thread)."""
-        mode = mode or self.config.mode
-        if mode not in MODES:
-            raise BadRequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        """Queue a request. Raises QueueFull (backpressure) or EngineStopped; planning errors
+        (context length, ...) arrive as a Failed event. `strategy`: resolved by the caller
+        (None: `default_strategy`). `layout`: the request already tokenized
+        (`runner.layout(request)`, on any thread)."""
+        strategy = strategy or self.default_strategy
         with self._wake:
             if not self.is_alive:
                 raise EngineStopped("the engine is not running")
@@ -251,7 +259,7 @@ class Engine:
                 raise QueueFull(f"{self.num_waiting} requests are waiting (max_queue)")
             handle = RequestHandle(f"req-{next(self._ids)}", self.abort, loop)
             sampling = sampling or SamplingParams()
-            live = _Live(handle, request, sampling, mode, budgets, time.perf_counter())
+            live = _Live(handle, request, sampling, strategy, budgets, time.perf_counter())
             live.layout = layout
             live.options = options
             self._inbox.append(live)
@@ -457,7 +465,7 @@ class Engine:
         for live in lives:
             try:
                 plan = self._plan(live)
-                if live.job is None and _waits_for(plan, live.mode, in_flight):
+                if live.job is None and _waits_for(plan, live.strategy, in_flight):
                     later.append(live.handle.request_id)
                     continue
                 live.offers = self._offers(plan)
@@ -550,13 +558,14 @@ class Engine:
 
     def _plan(self, live: _Live) -> RecomputePlan:
         return self.runner.plan(
-            live.request, live.mode, live.budgets, layout=live.layout, repeat=live.repeat
+            live.request, live.strategy, live.budgets, layout=live.layout, repeat=live.repeat
         )
 
     def _remember(self, prompt_hash: int) -> None:
-        """A `cachecraft` prefill of this prompt is done: the next one is a repeat. Only
-        prefills count, so the `n` choices of one request, submitted together, are not repeats
-        of each other (nor is a `full` reference run a sighting)."""
+        """A prefill of this prompt by a strategy that remembers prompts is done: the next one
+        is a repeat. Only prefills count, so the `n` choices of one request, submitted
+        together, are not repeats of each other (nor is a reference run of another strategy a
+        sighting)."""
         self._prompts[prompt_hash] = None
         self._prompts.move_to_end(prompt_hash)
         if len(self._prompts) > MAX_PROMPTS_SEEN:
@@ -672,13 +681,13 @@ class Engine:
         """Plan (store metadata only), prefetch the chosen variants, queue for the scheduler."""
         rid = live.handle.request_id
         if live.sampling.prompt_logprobs is not None:
-            live.mode = "full"  # every prompt row's logits: nothing is reused
+            live.strategy = FULL  # every prompt row's logits: nothing is reused
         try:
             live.layout = live.layout or self.runner.layout(live.request)
             ids = live.layout.token_ids  # built once (a property that joins the slots)
             if live.sampling.repetition_penalty != 1 or live.sampling.prompt_logprobs is not None:
                 live.prompt_ids = ids
-            if live.mode == "cachecraft":
+            if live.strategy.remembers_prompts:
                 live.prompt_hash = hash(ids)
                 live.repeat = live.prompt_hash in self._prompts
             plan = self._plan(live)
@@ -869,15 +878,17 @@ class Engine:
         return live.extras
 
 
-def _waits_for(plan: RecomputePlan, mode: str, in_flight: set[Offer]) -> bool:
+def _waits_for(plan: RecomputePlan, strategy: ReuseStrategy, in_flight: set[Offer]) -> bool:
     """Whether a chunk `plan` computes in full is being computed, by a prefill under way, into
     a variant this request could reuse: starting a step later (after that prefill stores it)
-    then spares computing it twice. Any variant of the chunk serves the modes that reuse
-    approximately; `prefix` only an exact one made in exactly this place; `full` none."""
-    if mode == "full" or not in_flight:
+    then spares computing it twice. Any variant of the chunk serves a strategy that reuses
+    approximately; one with `exact_only` only an exact one made in exactly this place; one
+    that does not read the store none."""
+    if not strategy.reads_store or not in_flight:
         return False
+    exact_only = strategy.exact_only
     return any(
-        o.key == c.slot.key and (mode != "prefix" or (o.is_exact and o.context == front))
+        o.key == c.slot.key and (not exact_only or (o.is_exact and o.context == front))
         for c, front in zip(plan.chunks, _in_front(plan), strict=True)
         if c.variant is None
         for o in in_flight

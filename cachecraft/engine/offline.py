@@ -19,15 +19,16 @@ from cachecraft.engine.sampling import SamplingParams, TokenLogprobs
 from cachecraft.engine.scheduler import QueueFull
 from cachecraft.engine.text import TextStream
 from cachecraft.request import RagRequest
+from cachecraft.reuse.strategy import ReuseStrategy
 
 
 @dataclass(frozen=True, slots=True)
 class Submission:
-    """One request for `run_requests`; mode None means the engine's default."""
+    """One request for `run_requests`; strategy None means the engine's default."""
 
     request: RagRequest
     sampling: SamplingParams
-    mode: str | None = None
+    strategy: ReuseStrategy | None = None
     budgets: list[int | None] | None = None
     options: RequestOptions | None = None
 
@@ -89,7 +90,7 @@ def _loop(
             sub = pending[0]
             try:
                 handle = engine.submit(
-                    sub.request, sub.sampling, sub.mode, sub.budgets, options=sub.options
+                    sub.request, sub.sampling, sub.strategy, sub.budgets, options=sub.options
                 )
             except QueueFull:
                 if not engine.has_work():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from cachecraft.engine.runner import PrefillOutcome, Runner
 from cachecraft.request import RagRequest
+from cachecraft.reuse.cachecraft import CachecraftStrategy
 from cachecraft.reuse.layout import PromptLayout
 
 
@@ -15,6 +16,6 @@ def prefill_in_full(
     """One full prefill of `request` (`layout`: its tokens, if already made). Runs the model:
     call it on the engine's step thread (`Engine.call`) or with the engine held (an `LLM`'s
     lock), never beside a step."""
-    plan = runner.plan(request, "cachecraft", lookup=False, layout=layout)
+    plan = runner.plan(request, CachecraftStrategy(), lookup=False, layout=layout)
     job = runner.start(plan, precompute=True)
     return runner.finish(job, runner.loaded.model.forward_step([job.work])[0])

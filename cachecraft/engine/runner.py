@@ -1,6 +1,6 @@
 """Runner: turn a request into a plan, assemble its KV, run the partial prefill, make variants.
 
-plan(request, mode)  -> RecomputePlan            (store metadata + prefix cache state)
+plan(request, strategy) -> RecomputePlan           (store metadata + prefix cache state)
 splice(plan)         -> Spliced (KV spliced: prefix cache + moved chunk K/V; the probe's
                         SeqWork if the plan has one)
 model.forward_step([spliced.probe.work, ...])    (the probes, the engine's all in one pass)
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachecraft.config import MODES, ReuseConfig
+from cachecraft.config import ReuseConfig
 from cachecraft.engine.hooks import DeviationSelect, EarlyTermination
 from cachecraft.engine.layer_loader import LayerLoader
 from cachecraft.engine.prefix_cache import PrefixCache
@@ -35,6 +35,7 @@ from cachecraft.reuse.layout import PromptLayout, build_layout
 from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
 from cachecraft.reuse.planner import as_miss, plan_request, resolve_probe, without_prefix_hit
 from cachecraft.reuse.stats import stats_layers
+from cachecraft.reuse.strategy import ReuseStrategy
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.codec import CorruptVariantError
 from cachecraft.store.meta import VariantMeta
@@ -112,7 +113,7 @@ class Runner:
     def plan(
         self,
         request: RagRequest,
-        mode: str,
+        strategy: ReuseStrategy,
         budgets: list[int | None] | None = None,
         lookup: bool = True,
         layout: PromptLayout | None = None,
@@ -122,16 +123,14 @@ class Runner:
         full and made a variant: `LLM.precompute`). `layout`: `self.layout(request)` computed
         earlier (tokenization done off the step thread). `repeat`: the engine saw this very
         prompt before (`ReuseConfig.refresh_repeats`)."""
-        if mode not in MODES:
-            raise BadRequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         m = self.loaded
         layout = layout or self.layout(request)
         variants: dict[str, list[VariantMeta]] = {}
-        if mode != "full" and lookup:
+        if strategy.reads_store and lookup:
             variants = {c.key: self.store.variants(c.key) for c in layout.chunks}
         prefix_hit = self.prefix_cache.get(layout.prefix_key) is not None
         return plan_request(
-            layout, variants, mode, self.reuse, m.arch.num_layers, budgets, prefix_hit, repeat
+            layout, variants, strategy, self.reuse, m.arch.num_layers, budgets, prefix_hit, repeat
         )
 
     def layout(self, request: RagRequest) -> PromptLayout:
@@ -248,8 +247,8 @@ class Runner:
         return True
 
     def _add_stats(self, job: PrefillJob, precompute: bool) -> None:
-        """Attention statistics for chunks computed in full that will become variants; `full`
-        and `prefix` (which reuses only exact variants) never read them."""
+        """Attention statistics for chunks computed in full that will become variants (a plan
+        that offers none, or that reuses only exact variants, never reads them)."""
         plan, layout = job.plan, job.plan.layout
         if not plan.make_variants or not plan.measure_stats:
             return
@@ -420,7 +419,7 @@ class Runner:
     def prefill(
         self,
         request: RagRequest,
-        mode: str,
+        strategy: ReuseStrategy,
         budgets: list[int | None] | None = None,
         extra_capacity: int = 0,
     ) -> tuple[PrefillJob, PrefillOutcome]:
@@ -431,7 +430,7 @@ class Runner:
         for attempt in range(2):
             job = None
             try:
-                job = self.start(self.plan(request, mode, budgets), extra_capacity, t0)
+                job = self.start(self.plan(request, strategy, budgets), extra_capacity, t0)
                 result = self.loaded.model.forward_step([job.work])[0]
             except CorruptVariantError:
                 if job is not None and job.loader is not None:

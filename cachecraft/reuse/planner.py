@@ -2,8 +2,9 @@
 chunks and the prefix cache's state into a RecomputePlan, plus the edits a plan may need
 before it runs (a variant vanished, the prefix cache dropped its entry, the probe's result).
 
-Every mode's logic is one function in `modes.py`; token selectors live in `selectors.py`,
-variant scoring in `variant_choice.py`. Pure Python: no torch, no store access.
+Each strategy plans in its own `plan` (`strategy.py`; the product's in `strategies.py`);
+token selectors live in `selectors.py`, variant scoring in `variant_choice.py`. Pure Python:
+no torch, no store access.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from cachecraft.config import MODES, ReuseConfig
-from cachecraft.reuse.modes import MODE_PLANNERS, PlanInput, fix_count, mark_exact, miss
+from cachecraft.config import ReuseConfig
+from cachecraft.reuse.modes import PlanInput, fix_count, mark_exact, miss
 from cachecraft.reuse.plan import PromptLayout, RecomputePlan
 from cachecraft.reuse.selectors import select_by_question, spread_by_size
+from cachecraft.reuse.strategy import ReuseStrategy
 from cachecraft.reuse.variant_choice import VariantScore, choose_variant, score_variant
 from cachecraft.store.meta import VariantMeta
 
@@ -34,30 +36,29 @@ __all__ = [
 def plan_request(
     layout: PromptLayout,
     variants: Mapping[str, Sequence[VariantMeta]],
-    mode: str,
+    strategy: ReuseStrategy,
     config: ReuseConfig,
     num_layers: int,
     budgets: Sequence[int | None] | None = None,
     prefix_hit: bool = True,
     repeat: bool = False,
 ) -> RecomputePlan:
-    """Plan one request in `mode` (one of config.MODES).
+    """Plan one request with `strategy` (resolved from its name where the request entered).
 
     variants: chunk key -> its stored variants (a missing key means none). budgets: per chunk,
-    a token budget for the reused chunks (None entries fall back to the mode's default; the
-    global modes, prophet and cacheblend_global, spend their sum; see `matched_budgets`).
+    a token budget for the reused chunks (None entries fall back to the strategy's default; a
+    strategy with one budget for the request spends their sum; see `matched_budgets`).
     prefix_hit: the exact prefix cache holds this prefix (its rows are then not computed).
     repeat: this very prompt was planned before (cachecraft refreshes it: `refresh_repeats`).
     A repeated chunk key is planned at each occurrence on its own.
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
     if budgets is not None and len(budgets) != len(layout.chunks):
         raise ValueError(f"budgets has {len(budgets)} entries for {len(layout.chunks)} chunks")
     if num_layers < 1:
         raise ValueError("num_layers must be >= 1")
-    inp = PlanInput(layout, variants, config, num_layers, budgets, prefix_hit, repeat)
-    return MODE_PLANNERS[mode](inp)
+    scoring = strategy.scoring(config)
+    inp = PlanInput(layout, variants, config, num_layers, budgets, prefix_hit, repeat, scoring)
+    return strategy.plan(inp)
 
 
 def resolve_probe(
@@ -88,9 +89,9 @@ def without_prefix_hit(plan: RecomputePlan) -> RecomputePlan:
 
 def matched_budgets(plan: RecomputePlan, extra: int = 0) -> list[int | None]:
     """Per chunk, the tokens `plan` recomputes in a reused chunk (None for a miss), to give
-    another mode the same budget. extra: tokens added on top (e.g. the probe's rows, so that a
-    mode without a probe may compute as many tokens in all), spread over the reused chunks in
-    proportion to their size, never past a chunk's size; a negative extra (a mode's own probe
+    another strategy the same budget. extra: tokens added on top (e.g. the probe's rows, so that a
+    strategy without a probe may compute as many tokens in all), spread over the reused chunks in
+    proportion to their size, never past a chunk's size; a negative extra (a strategy's own probe
     paid out of the same total) is taken from the largest budgets, never below 0."""
     out: list[int | None] = [c.num_recompute if c.is_hit else None for c in plan.chunks]
     sizes = {i: c.slot.num_tokens for i, c in enumerate(plan.chunks) if c.is_hit}

@@ -8,12 +8,50 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
-from cachecraft.config import ReuseConfig
+from cachecraft.config import check_fields, ranged
 from cachecraft.store.meta import VariantMeta
 
 EmptyRule = Literal["paper", "safe"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringRules:
+    """How a strategy scores a stored variant (cache-craft.md §3); the parameters of every
+    strategy that scores variants start with these."""
+
+    empty_s_old: EmptyRule = "safe"
+    """S_old empty: 'paper' sets beta = 1 (free reuse); 'safe' sets beta = 0 when the new
+    prefix holds any chunk, so the fix is alpha x CCI."""
+    novel_prefix_min_fix: float = ranged(0.0, 0.0, 1.0)
+    """Smallest CFO of a chunk whose new prefix holds chunks absent from its S_old."""
+    beta_rule: Literal["honest", "paper"] = "honest"
+    """'honest': beta also counts the attention the chunk would put on chunks now in front of
+    it that were not in S_old, and the variant with the lowest predicted error wins; 'paper':
+    only S_old's mass, the lowest CFO wins."""
+    prefix_mismatch_penalty: float = ranged(0.5, 0.0, 1.0)
+    """beta' is scaled by (1 - this) when a variant was made under another system prefix."""
+    use_order_penalty: bool = True
+    """beta' = beta x (1 - gamma), gamma the share of S_old's chunk pairs now in another order."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Scoring(ScoringRules):
+    """ScoringRules with the user's CFO bounds (ReuseConfig's alpha, min_fix, max_fix)."""
+
+    alpha: float = ranged(0.5, 0.0)
+    min_fix: float = ranged(0.0, 0.0, 1.0)
+    max_fix: float = ranged(1.0, 0.0, 1.0)
+
+    @classmethod
+    def of(cls, alpha: float, min_fix: float, max_fix: float, rules: ScoringRules) -> Scoring:
+        fields = {f: getattr(rules, f) for f in ScoringRules.__dataclass_fields__}
+        return cls(alpha=alpha, min_fix=min_fix, max_fix=max_fix, **fields)
 
 
 def _sigmoid(x: float) -> float:
@@ -112,7 +150,7 @@ def cache_fix_overhead(
     cci: float,
     beta: float,
     gamma: float,
-    config: ReuseConfig,
+    config: Scoring,
     has_novel_prefix: bool,
 ) -> tuple[float, float]:
     """Return (beta', CFO).

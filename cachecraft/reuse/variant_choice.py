@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from cachecraft.config import ReuseConfig
-from cachecraft.reuse.stats import cache_fix_overhead, order_penalty, prefix_overlap
+from cachecraft.reuse.stats import Scoring, cache_fix_overhead, order_penalty, prefix_overlap
 from cachecraft.store.meta import VariantMeta
 
 
@@ -90,7 +89,7 @@ def honest_overlap(
 def score_variant(
     variant: VariantMeta,
     s_new: Sequence[str],
-    config: ReuseConfig,
+    config: Scoring,
     *,
     s_new_sizes: Sequence[int] | None = None,
     prefix_key: str | None = None,
@@ -126,7 +125,7 @@ def score_variant(
 def choose_variant(
     variants: Sequence[VariantMeta],
     s_new: Sequence[str],
-    config: ReuseConfig,
+    config: Scoring,
     *,
     s_new_sizes: Sequence[int] | None = None,
     prefix_key: str | None = None,

@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cachecraft.config import MODES
-from cachecraft.config_file import load_reuse_overrides, merge_overrides
+from cachecraft.config_file import add_reuse_flags, reuse_overrides
 from cachecraft.engine.engine import EngineConfig
 from cachecraft.errors import BadRequestError, StoreUnavailableError
 from cachecraft.logs import setup_logging
 from cachecraft.model.loader import DTYPES
+from cachecraft.reuse.strategies import STRATEGIES
 from cachecraft.server.config import ServerConfig
 from cachecraft.store.config import StoreConfig
 
@@ -51,7 +51,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="where the weights, the forward and the memory tier live: cpu, cuda or cuda:N "
         "(on a GPU, host RAM is a second tier, --host-bytes)",
     )
-    p.add_argument("--mode", default=engine.mode, choices=MODES, help="default reuse mode")
+    p.add_argument(
+        "--mode", default=engine.mode, choices=STRATEGIES.names(), help="default reuse mode"
+    )
     p.add_argument(
         "--api-key",
         dest="api_keys",
@@ -202,8 +204,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="on SIGTERM/SIGINT, how long open requests may still run",
     )
     p.add_argument("--config", default=None, help="calibration file (default ./cachecraft.json)")
-    p.add_argument("--alpha", type=float, default=None, help="override the CFO alpha")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
+    add_reuse_flags(p)
     p.set_defaults(func=main_serve)
     return p
 
@@ -212,7 +214,7 @@ def main_serve(args: argparse.Namespace) -> int:
     from cachecraft.llm import reuse_config
     from cachecraft.server.launch import serve  # heavy imports only when serving
 
-    overrides = merge_overrides(load_reuse_overrides(args.config), alpha=args.alpha)
+    overrides = reuse_overrides(args)
 
     # `cachecraft` already configured logging (WARNING, or INFO with -v): --log-level wins here
     setup_logging(args.log_level.upper())

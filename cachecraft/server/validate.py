@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cachecraft.config import MODES
+from cachecraft.reuse.strategies import STRATEGIES
+from cachecraft.reuse.strategy import ReuseStrategy
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.errors import ApiError, refuse
 from cachecraft.server.protocol import (
@@ -35,16 +36,19 @@ def model_not_found(state: ServerState, model: str) -> ApiError:
     )
 
 
-def check_mode(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> str:
-    """The reuse mode the request runs in (its own, else the server's)."""
-    mode = body.cachecraft_mode or state.engine.config.mode
-    if mode not in MODES:
+def check_mode(
+    state: ServerState, body: ChatCompletionRequest | CompletionRequest
+) -> ReuseStrategy:
+    """The reuse strategy the request runs with (its own, else the server's), resolved here
+    once: nothing below sees its name."""
+    name = body.cachecraft_mode or state.engine.config.mode
+    if name not in STRATEGIES:
         raise ApiError(
             400,
-            f"cachecraft_mode {mode!r}: choose one of {', '.join(MODES)}",
+            f"cachecraft_mode {name!r}: choose one of {', '.join(STRATEGIES.names())}",
             "invalid_request_error",
         )
-    return mode
+    return STRATEGIES.get(name)
 
 
 def check_fields(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:

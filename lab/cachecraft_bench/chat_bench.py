@@ -19,9 +19,9 @@ from typing import Any
 from tqdm import tqdm
 
 from cachecraft.api import LLM, LoadedModel, SamplingParams, chat_request, load_model
-from cachecraft.config import MODES
 from cachecraft.errors import CachecraftError
 from cachecraft_bench.chat import SYSTEM, Conversation, sharegpt_conversations
+from cachecraft_bench.modes import LAB_MODES as MODES
 
 
 def run_chat_bench(
@@ -110,6 +110,9 @@ def add_bench_chat_parser(subparsers: Any) -> Any:
 
 
 def main_chat_bench(args: Any) -> int:
+    from cachecraft_bench.strategies import register
+
+    register()  # the baselines too
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if not modes or unknown:

@@ -25,19 +25,22 @@ from cachecraft.api import (
     EngineConfig,
     LoadedModel,
     MemoryStore,
+    ReuseStrategy,
     SamplingParams,
     make_store,
     matched_budgets,
     probe_cost,
 )
-from cachecraft.config import MODES, ReuseConfig
+from cachecraft.config import ReuseConfig
 from cachecraft.errors import BadRequestError
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 from cachecraft_bench.flops import ModelShape, flops_fraction
 from cachecraft_bench.item import WorkloadItem
 from cachecraft_bench.metrics import exact_match, kl_divergence, rouge_l, token_f1
+from cachecraft_bench.modes import LAB_MODES
 from cachecraft_bench.quality_summary import summarize_results
+from cachecraft_bench.strategies import arm_settings
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +58,12 @@ SWEEP_GRID: dict[str, tuple[str, str, tuple[float, ...]]] = {
     "cacheblend": ("cacheblend_ratio", "ratio", (0.05, 0.15, 0.3, 0.5)),
     "epic": ("epic_k", "k", (8, 16, 32, 64)),
 }
-"""mode -> (ReuseConfig field, short name, values). `random` sweeps with cachecraft's alphas,
-at the budgets of the cachecraft point of the same alpha."""
+"""mode -> (setting: a ReuseConfig field or the strategy's parameter, short name, values).
+`random` sweeps with cachecraft's alphas, at the budgets of the cachecraft point of the same
+alpha."""
 
 ABLATIONS: dict[str, dict[str, Any]] = {
-    # ReuseConfig fields, except STORE_FIELDS, which go to the arm's own store
+    # settings (llm.split_settings: the strategy's parameters, ReuseConfig, the arm's store)
     "cachecraft-need": {"probe_split": "need"},
     "cachecraft-no-check": {"probe_check": 0.0},
     "cachecraft-check-deviation": {"probe_check_score": "deviation"},
@@ -90,18 +94,17 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-stats-all": {"stats_stride": 1},
     "cacheblend-global": {"cacheblend_global": True},
 }
-"""Arm name -> ReuseConfig changes. cachecraft-*: one choice of the default changed each;
+"""Arm name -> settings changed. cachecraft-*: one choice of the default changed each;
 cacheblend-global: CacheBlend picking its top tokens across chunks (at cachecraft's budget).
 A matched mode or ablation named with the suffix FLOPS_SUFFIX ("epic-flops",
 "cacheblend-global-flops") takes cachecraft's budgets at equal FLOPs instead of equal tokens."""
 FLOPS_SUFFIX = "-flops"
-STORE_FIELDS = frozenset({"max_variants_per_chunk"})
-"""Ablation fields that are store settings (StoreConfig), not reuse ones."""
 
 
 @dataclass(frozen=True, slots=True)
 class Arm:
-    """One benchmark column: `mode` run with `config` over its own store.
+    """One benchmark column: `strategy` (named `mode`, with the arm's parameters) run with
+    `config` over its own store.
 
     budget_from: the cachecraft arm whose per-request budgets this arm takes (None: its own).
     match: "tokens": as many computed tokens as that arm (its probe's cost included);
@@ -112,6 +115,7 @@ class Arm:
 
     name: str
     mode: str
+    strategy: ReuseStrategy
     config: ReuseConfig
     budget_from: str | None = None
     sweep: tuple[str, float] | None = None
@@ -129,11 +133,11 @@ class _ArmRun:
 
 def mode_of(name: str) -> str:
     """The mode behind an arm name: "epic", "cachecraft-global", "random@alpha=0.5" -> its mode."""
-    for mode in sorted(MODES, key=len, reverse=True):
+    for mode in sorted(LAB_MODES, key=len, reverse=True):
         if name == mode or name.startswith((f"{mode}-", f"{mode}@")):
             return mode
     raise BadRequestError(
-        f"unknown mode {name!r}; choose from {', '.join(MODES)} or an ablation "
+        f"unknown mode {name!r}; choose from {', '.join(LAB_MODES)} or an ablation "
         f"({', '.join(ABLATIONS)})"
     )
 
@@ -143,6 +147,7 @@ def _sweep_arms(
     base: ReuseConfig,
     grid: Mapping[str, Sequence[float]],
     match_budget: bool,
+    seed: int,
 ) -> list[Arm]:
     arms = []
     for mode, values in grid.items():
@@ -155,13 +160,16 @@ def _sweep_arms(
             continue
         fld, short, _ = SWEEP_GRID[mode]
         for v in values:
-            cfg = replace(base, **{fld: int(v) if fld == "epic_k" else float(v)})
-            arms.append(Arm(f"{mode}@{short}={v:g}", mode, cfg, None, (mode, float(v))))
+            value = int(v) if fld == "epic_k" else float(v)
+            strategy, cfg, _ = arm_settings(mode, {fld: value}, base, seed)
+            name = f"{mode}@{short}={v:g}"
+            arms.append(Arm(name, mode, strategy, cfg, None, (mode, float(v))))
     if "random" in modes and "cachecraft" in modes:
         for a in grid.get("cachecraft", ()):
             src = f"cachecraft@alpha={a:g}" if match_budget else None
-            cfg = replace(base, alpha=float(a))
-            arms.append(Arm(f"random@alpha={a:g}", "random", cfg, src, ("random", float(a))))
+            strategy, cfg, _ = arm_settings("random", {"alpha": float(a)}, base, seed)
+            point = ("random", float(a))
+            arms.append(Arm(f"random@alpha={a:g}", "random", strategy, cfg, src, point))
     return arms
 
 
@@ -169,18 +177,22 @@ def build_arms(
     modes: Sequence[str],
     base: ReuseConfig | None = None,
     *,
-    configs: Mapping[str, ReuseConfig] | None = None,
+    configs: Mapping[str, Mapping[str, Any]] | None = None,
     match_budget: bool = True,
     ablations: bool = False,
     sweep: bool | Mapping[str, Sequence[float]] = False,
     include_base: bool = True,
+    seed: int = 0,
 ) -> list[Arm]:
     """The arms to run, `full` first, then every cachecraft arm, then the rest.
 
     modes: mode or arm names (ablation names and "mode-anything" names with a `configs` entry
-    are accepted). Under `match_budget`, random/cacheblend/epic take the budgets of the arm
-    "cachecraft", which is added when missing. sweep: True for SWEEP_GRID, or mode -> values.
-    include_base=False keeps only `full` and the sweep points (calibration).
+    are accepted). configs: arm name -> its settings changed (ReuseConfig fields, its
+    strategy's parameters, its store's max_variants_per_chunk), instead of an ablation's.
+    Under `match_budget`, random/cacheblend/epic take the budgets of the arm "cachecraft",
+    which is added when missing. sweep: True for SWEEP_GRID, or mode -> values.
+    include_base=False keeps only `full` and the sweep points (calibration). seed: the
+    random baseline's.
     """
     base = base or ReuseConfig()
     configs = dict(configs or {})
@@ -196,18 +208,17 @@ def build_arms(
             mode = mode_of(name)
             flops = name.endswith(FLOPS_SUFFIX) and mode in MATCHED_MODES and match_budget
             plain = name.removesuffix(FLOPS_SUFFIX) if flops else name
-            ablation = ABLATIONS.get(plain, {})
-            reuse_fields = {k: v for k, v in ablation.items() if k not in STORE_FIELDS}
-            store_fields = {k: v for k, v in ablation.items() if k in STORE_FIELDS}
-            cfg = configs.get(name) or replace(base, **reuse_fields)
+            changes = configs.get(name, ABLATIONS.get(plain, {}))
+            strategy, cfg, store_fields = arm_settings(mode, changes, base, seed)
             src = "cachecraft" if match_budget and mode in MATCHED_MODES else None
             match = "flops" if flops else "tokens"
-            arms.append(Arm(name, mode, cfg, src, match=match, **store_fields))
+            arms.append(Arm(name, mode, strategy, cfg, src, match=match, **store_fields))
     else:
-        arms.append(Arm("full", "full", configs.get("full") or base))
+        strategy, cfg, _ = arm_settings("full", configs.get("full", {}), base, seed)
+        arms.append(Arm("full", "full", strategy, cfg))
     if sweep:
         grid = {m: v[2] for m, v in SWEEP_GRID.items()} if sweep is True else dict(sweep)
-        arms += _sweep_arms([mode_of(n) for n in names], base, grid, match_budget)
+        arms += _sweep_arms([mode_of(n) for n in names], base, grid, match_budget, seed)
     arms.sort(key=lambda a: (a.mode != "full", a.mode != "cachecraft"))  # stable
     seen = {a.name for a in arms}
     if len(seen) != len(arms):
@@ -284,10 +295,11 @@ def _arm_budgets(
     if arm.match == "tokens":
         extra = got.report.probe_cost
     if arm.mode == "prophet":  # its own probe comes out of the same total
-        extra -= probe_cost(got.plan.layout, got.plan.prefix_hit, arm.config, num_layers)
+        probe = arm.strategy.params.probe
+        extra -= probe_cost(got.plan.layout, got.plan.prefix_hit, probe, num_layers)
     budgets = matched_budgets(got.plan, extra=round(extra))
     if arm.match == "flops" and arm.mode == "cacheblend":
-        s = min(arm.config.cacheblend_check_layer + 1, num_layers) / num_layers
+        s = min(arm.strategy.params.cacheblend_check_layer + 1, num_layers) / num_layers
         sizes = [c.slot.num_tokens for c in got.plan.chunks]
         budgets = [
             None if b is None else max(math.floor((b - n * s) / (1 - s) + 1e-9), 0)
@@ -311,7 +323,7 @@ def _run_request(
         arm = run.arm
         given = _arm_budgets(arm, sources, shape.num_layers)
         forced = ref.token_ids if measure else None
-        got = run.llm.answer(item.request, sampling, arm.mode, budgets=given, forced=forced)
+        got = run.llm.answer(item.request, sampling, arm.strategy, budgets=given, forced=forced)
         if arm.mode == "cachecraft":
             sources[arm.name] = (got, _flops_extra(got, shape.num_layers))
         if measure:
@@ -416,12 +428,12 @@ def run_arms(
 def run_quality(
     loaded: LoadedModel,
     items: Sequence[WorkloadItem],
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = LAB_MODES,
     *,
     warmup: int = 20,
     match_budget: bool = True,
     max_tokens: int = 32,
-    configs: Mapping[str, ReuseConfig] | None = None,
+    configs: Mapping[str, Mapping[str, Any]] | None = None,
     base: ReuseConfig | None = None,
     ablations: bool = False,
     sweep: bool | Mapping[str, Sequence[float]] = False,
@@ -431,11 +443,12 @@ def run_quality(
     store_bytes: int = DEFAULT_STORE_BYTES,
     shared_warmup: bool = False,
     store_config: StoreConfig | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Benchmark `modes` (see `build_arms`) on `items`; returns the report-schema dict
     (bench/report.py) with per-request records under workloads[workload]["requests"].
 
-    base: the ReuseConfig of every arm; configs: arm name -> its own ReuseConfig instead.
+    base: the ReuseConfig of every arm; configs: arm name -> its own settings changed.
     Every arm starts from an empty store; the first `warmup` requests are left out.
     """
     base = base or ReuseConfig()
@@ -447,6 +460,7 @@ def run_quality(
         ablations=ablations,
         sweep=sweep,
         include_base=include_base,
+        seed=seed,
     )
     log.info("bench quality: %d arms, %d requests (%d warm-up)", len(arms), len(items), warmup)
     out = run_arms(
@@ -472,6 +486,7 @@ def run_quality(
         "match_budget": match_budget,
         "max_tokens": max_tokens,
         "reuse": asdict(base),
+        "seed": seed,
     }
     return {"config": config, "workloads": {workload: summarize_results(arms, out)}}
 

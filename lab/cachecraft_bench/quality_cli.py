@@ -1,13 +1,13 @@
 """CLI plumbing for `cachecraft bench quality` and `cachecraft calibrate`.
 
-Parses flags (ReuseConfig flags are generated one-to-one from its fields), loads the workload
+Parses flags (ReuseConfig flags one-to-one from its fields; a strategy's own parameters through
+`--arm NAME:FIELD=VALUE`), loads the workload
 and model, calls the library, prints JSON or a table on stdout. Errors: one line, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -15,73 +15,59 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from cachecraft.config import MODES, ReuseConfig
-from cachecraft.config_file import load_reuse_overrides
+from cachecraft.config import ReuseConfig
+from cachecraft.config_file import add_reuse_flags, reuse_overrides
 from cachecraft.errors import BadRequestError, CachecraftError
+from cachecraft.llm import reuse_config
 from cachecraft.store.config import StoreConfig
 from cachecraft_bench.item import WorkloadItem
+from cachecraft_bench.modes import LAB_MODES
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REQUESTS = 60
 """Requests drawn from a built-in workload when --requests is not given (20 warm the caches)."""
-_SKIP_FIELDS = ("seed",)  # --seed sets both the workload seed and ReuseConfig.seed
-
-
-def add_reuse_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ReuseConfig field (--alpha, --early-termination/--no-early-termination, ...);
-    each defaults to None so only the flags given override the config file."""
-    group = parser.add_argument_group("reuse options (override the config file)")
-    hints = typing.get_type_hints(ReuseConfig)
-    for f in dataclasses.fields(ReuseConfig):
-        if f.name in _SKIP_FIELDS:
-            continue
-        flag, hint = "--" + f.name.replace("_", "-"), hints[f.name]
-        kw: dict[str, Any] = {"dest": f"reuse_{f.name}", "default": None}
-        if hint is not bool:
-            kw["metavar"] = f.name.upper()
-        if hint is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(hint) is typing.Literal:
-            kw["choices"] = typing.get_args(hint)
-        else:
-            kw["type"] = int if int in (hint, *typing.get_args(hint)) else float
-        group.add_argument(flag, help=f"ReuseConfig.{f.name} (default {f.default!r})", **kw)
 
 
 def reuse_config_from_args(args: argparse.Namespace) -> ReuseConfig:
     """ReuseConfig from the config file (--config or ./cachecraft.json), then the flags."""
-    fields = load_reuse_overrides(getattr(args, "config", None))
-    for f in dataclasses.fields(ReuseConfig):
-        value = getattr(args, f"reuse_{f.name}", None)
-        if value is not None:
-            fields[f.name] = value
-    if getattr(args, "seed", None) is not None:
-        fields["seed"] = args.seed
-    return ReuseConfig(**fields)
+    return reuse_config(**reuse_overrides(args))
 
 
-def parse_arm(text: str, base: ReuseConfig) -> tuple[str, ReuseConfig]:
-    """`--arm NAME:FIELD=VALUE,...` -> (NAME, `base` with those ReuseConfig fields changed).
-    Values: numbers, true/false, none, or a choice's name; a bad one is a BadRequestError."""
+def parse_arm(text: str, base: ReuseConfig) -> tuple[str, dict[str, Any]]:
+    """`--arm NAME:FIELD=VALUE,...` -> (NAME, the settings changed): ReuseConfig fields and
+    the parameters of NAME's strategy. Values: numbers, true/false, none, or a choice's name;
+    a bad one, or a setting that strategy does not take, is a BadRequestError."""
+    from cachecraft_bench.quality import mode_of
+    from cachecraft_bench.strategies import arm_settings, register
+
     name, sep, spec = text.partition(":")
     name = name.strip()
     if not name or not sep or not spec.strip():
         raise BadRequestError(f"--arm {text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE...]")
-    hints = typing.get_type_hints(ReuseConfig)
+    strategy = register().get(mode_of(name))
+    hints = {**typing.get_type_hints(type(strategy.params)), **typing.get_type_hints(ReuseConfig)}
     fields: dict[str, Any] = {}
     for pair in spec.split(","):
         key, eq, raw = (x.strip() for x in pair.partition("="))
-        if key not in hints or key in _SKIP_FIELDS or not eq:
+        if key not in hints or not _is_scalar(hints[key]) or not eq:
             raise BadRequestError(
-                f"--arm {name}: {pair.strip()!r} is not FIELD=VALUE of a reuse option"
+                f"--arm {name}: {pair.strip()!r} is not FIELD=VALUE of a reuse option of "
+                f"{strategy.name}"
             )
         fields[key] = _value(name, key, raw, hints[key])
-    try:
-        config = dataclasses.replace(base, **fields)  # ReuseConfig checks itself
-    except ValueError as e:
+    try:  # the settings check themselves
+        arm_settings(mode_of(name), fields, base)
+    except BadRequestError as e:
         raise BadRequestError(f"--arm {name}: {e}") from None
-    return name, config
+    return name, fields
+
+
+def _is_scalar(hint: Any) -> bool:
+    """A setting given as one value on the command line (not a nested dataclass)."""
+    if typing.get_origin(hint) is typing.Literal:
+        return True
+    return all(t in (bool, int, float, str, type(None)) for t in typing.get_args(hint) or (hint,))
 
 
 def _value(arm: str, key: str, raw: str, hint: Any) -> Any:
@@ -148,7 +134,7 @@ def add_bench_quality_parser(subparsers: argparse._SubParsersAction) -> argparse
     """Add `quality` to the `bench` subcommands; sets `func`."""
     p = subparsers.add_parser("quality", help="quality vs computation of every reuse mode")
     _add_common_flags(p, seed=0)
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes / ablations")
+    p.add_argument("--modes", default=",".join(LAB_MODES), help="comma-separated modes / ablations")
     p.add_argument(
         "--match-budget", action=argparse.BooleanOptionalAction, default=True,
         help="random/cacheblend/epic recompute as many tokens as cachecraft, request by request",
@@ -160,8 +146,9 @@ def add_bench_quality_parser(subparsers: argparse._SubParsersAction) -> argparse
         action="append",
         default=[],
         metavar="NAME:FIELD=VALUE,...",
-        help="an extra arm: NAME (a mode, or MODE-anything) run with the reuse options given "
-        "changed, e.g. cachecraft-pmc1:probe_max_cost=1.0 (repeatable)",
+        help="an extra arm: NAME (a mode, or MODE-anything) run with the reuse options or its "
+        "strategy's parameters given changed, e.g. cachecraft-pmc1:probe_max_cost=1.0 "
+        "(repeatable)",
     )
     p.add_argument(
         "--shared-warmup",
@@ -286,7 +273,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
         _load_model(args), items, modes, warmup=args.warmup, match_budget=args.match_budget,
         max_tokens=args.max_tokens, base=base, configs=configs, ablations=args.ablations,
         sweep=args.sweep, progress=not args.no_progress, workload=name,
-        shared_warmup=args.shared_warmup,
+        shared_warmup=args.shared_warmup, seed=args.seed,
         store_config=_int8_store(args.int8_store), store_bytes=args.store_mib << 20,
     )  # fmt: skip
     if args.out:

@@ -1,0 +1,238 @@
+"""The `cachecraft` strategy: CachecraftParams (its own parameters: the variant-scoring rules,
+the question probe and the check layer) and its plan, plus the probe helpers the lab's
+prophet baseline shares. Pure Python, no torch.
+
+The plan: the variant with the lowest predicted error (honest beta); a chunk whose best
+predicted error is above `ReuseConfig.refresh_error`, or that has no exact variant here in a
+repeated prompt (`refresh_repeats`), is computed in full (a fresh variant); CFO sets the
+request's budget; a probe of the question ranks the tokens and, with probe_check, the
+top-ranked run to a check layer where question attention x K/V deviation picks the ones that go
+on (selectors.select_by_question). A probe costing more than probe_max_cost x the budget is
+trimmed to the question's last rows that fit (probe_trim) or replaced by a check of every
+reused token at budget + probe cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from cachecraft.config import check_fields, ranged
+from cachecraft.reuse.modes import PlanInput, fix_count, given_budget, hit, make_plan, miss
+from cachecraft.reuse.plan import ChunkPlan, DeviationCheck, ProbeCheck, PromptLayout, RecomputePlan
+from cachecraft.reuse.plan import probe_rows as _probe_rows
+from cachecraft.reuse.selectors import spread_by_size
+from cachecraft.reuse.stats import ScoringRules
+from cachecraft.reuse.strategy import ReuseStrategy
+
+
+@dataclass(frozen=True, slots=True)
+class CachecraftParams(ScoringRules):
+    """The cachecraft strategy's parameters (its variant-scoring rules first); ablations make a
+    strategy with other values."""
+
+    inherit_error: bool = True
+    """A reused chunk in front counts in beta only by (1 - its predicted error)."""
+    early_termination: bool = True
+    """The 'need' split gives chunks below ReuseConfig.focus_threshold nothing (False: all)."""
+    probe_split: Literal["need", "global", "chunk"] = "global"
+    """How the probe spends the budget: top tokens of all reused chunks by question attention
+    ('global'), by predicted error x attention ('need'), or each chunk its own ('chunk')."""
+    probe_first_layer: int = ranged(0, 0)
+    """First layer whose question attention the probe averages."""
+    probe_last_layer: int | None = ranged(None, 0)
+    """Last layer the probe runs and averages (None: set by probe_depth)."""
+    probe_depth: float = ranged(1.0, 0.0)
+    """Share of the model's layers the probe runs when probe_last_layer is None."""
+    probe_blend: float = ranged(0.0, 0.0)
+    """Weight of the stored token score added to the question attention."""
+    probe_check: float = ranged(3.0, 0.0)
+    """The top probe_check x budget tokens run to the check layer (0: no check)."""
+    probe_check_layer: int = ranged(3, 0)
+    """The layer whose fresh-minus-cached K/V the check measures."""
+    probe_check_score: Literal["product", "deviation"] = "product"
+    """The check ranks by attention ** probe_check_power x K/V deviation, or deviation alone."""
+    probe_check_power: float = ranged(0.75, 0.0)
+    """Exponent of the question attention in the check's rank."""
+    probe_sink: int = ranged(4, 0)
+    """The first probe_sink tokens of every probed chunk rank first."""
+    probe_last_row: float = ranged(0.5, 0.0, 1.0)
+    """Share of the probe's measure taken from the question's last row."""
+    probe_max_cost: float | None = ranged(0.5, 0.0)
+    """The probe costs at most this many times the budget it steers (None: no cap)."""
+    probe_skip_share: float = ranged(1.0, 0.0, 1.0)
+    """Share of the probe cost cut by probe_max_cost that is added to the budget."""
+    probe_trim: bool = True
+    """A probe over its cost is trimmed to the question's last rows (False: skipped)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+class CachecraftStrategy(ReuseStrategy):
+    """CFO budgets spent on the tokens the question reads (a probe pass, then a check)."""
+
+    name = "cachecraft"
+    remembers_prompts = True
+    params: CachecraftParams
+
+    @classmethod
+    def default_params(cls) -> CachecraftParams:
+        return CachecraftParams()
+
+    def plan(self, inp: PlanInput) -> RecomputePlan:
+        return plan_cachecraft(inp, self.params)
+
+
+def make_probe(
+    inp: PlanInput,
+    p: CachecraftParams,
+    total: int,
+    split: str,
+    focus: float,
+    check: float,
+    sink: int,
+    question_rows: int | None = None,
+) -> ProbeCheck:
+    """The probe of a plan run with `p`'s probe settings; `sink`: each probed chunk's first
+    tokens lifted in the ranking; `question_rows`: a trimmed probe's rows (None: all)."""
+    c = p
+    last = probe_last_layer(c, inp.num_layers)
+    first = min(max(c.probe_first_layer, 0), last)
+    check_layer = _check_layer(c, inp.num_layers)
+    return ProbeCheck(
+        total=total,
+        split=split,  # type: ignore[arg-type]
+        first_layer=first,
+        last_layer=last,
+        focus_threshold=focus,
+        blend=c.probe_blend,
+        check=check,
+        check_layer=check_layer,
+        check_score=c.probe_check_score,
+        num_layers=inp.num_layers,
+        sink=sink,
+        check_power=c.probe_check_power,
+        last_row=c.probe_last_row,
+        question_rows=question_rows,
+    )
+
+
+def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
+    """cachecraft's plan (the module's docstring)."""
+    config = inp.config
+    chunks: list[ChunkPlan] = []
+    errors: dict[str, float] | None = {} if p.inherit_error else None
+    for i, slot in enumerate(inp.layout.chunks):
+        score = inp.choose(i, inherited=errors)
+        if score is None:
+            chunks.append(miss(slot))
+        elif (config.refresh_error is not None and score.error > config.refresh_error) or (
+            inp.repeat and config.refresh_repeats and not score.is_exact_here
+        ):
+            chunks.append(replace(miss(slot, "refresh"), error=score.error, cfo=score.cfo))
+        else:
+            budget, reason = given_budget(inp, i, fix_count(score.cfo, slot.num_tokens))
+            reason = "cfo" if reason == "mode" else reason
+            chunks.append(hit(slot, score, (), reason, budget=budget, select="probe"))
+        if errors is not None:  # a chunk computed in full passes no staleness on
+            last = chunks[-1]
+            errors[slot.key] = (last.error or 0.0) if last.is_hit else 0.0
+    total = _pooled_total(p, chunks)
+    if not total:  # nothing to recompute: no probe to steer it
+        return make_plan(inp, "cachecraft", [_planned(c) for c in chunks])
+    cost = probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers)
+    rows = None  # the question rows the probe runs (None: all of them)
+    if p.probe_max_cost is not None and cost > p.probe_max_cost * total:
+        rows = _rows_that_fit(inp, p, p.probe_max_cost * total) if p.probe_trim else 0
+        if rows < 1:
+            extra = math.ceil(p.probe_skip_share * cost - 1e-9)
+            return _check_instead_of_probe(inp, p, chunks, total + extra)
+        left_out = cost - probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers, rows)
+        reused = sum(c.slot.num_tokens for c in chunks if c.select == "probe")
+        total = min(total + math.ceil(p.probe_skip_share * left_out - 1e-9), reused)
+    focus = config.focus_threshold if p.early_termination else 0.0
+    probe = make_probe(inp, p, total, p.probe_split, focus, p.probe_check, p.probe_sink, rows)
+    return make_plan(inp, "cachecraft", chunks, probe=probe)
+
+
+def _rows_that_fit(inp: PlanInput, p: CachecraftParams, cost: float) -> int:
+    """The most question rows a trimmed probe can run within `cost` (full-depth rows; the
+    uncached prefix, which the probe must run as well, comes first)."""
+    share = (probe_last_layer(p, inp.num_layers) + 1) / inp.num_layers
+    prefix = 0 if inp.prefix_hit else inp.layout.prefix_len
+    return max(min(math.floor(cost / share + 1e-9) - prefix, len(inp.layout.question_ids)), 0)
+
+
+def _pooled_total(p: CachecraftParams, chunks: Sequence[ChunkPlan]) -> int:
+    """The probe's budget: the chunks' budgets added up, except that under a split across
+    chunks ('need', 'global') the CFO budgets are rounded up once, as a sum of CFO x |C|, and
+    not once per chunk (ten short chunks would each add up to a token)."""
+    probed = [c for c in chunks if c.select == "probe"]
+    if p.probe_split == "chunk":
+        return sum(c.budget for c in probed)
+    given = sum(c.budget for c in probed if c.reason == "given")
+    cfo = sum((c.cfo or 0.0) * c.slot.num_tokens for c in probed if c.reason == "cfo")
+    return given + max(math.ceil(cfo - 1e-9), 0)
+
+
+def _planned(c: ChunkPlan) -> ChunkPlan:
+    """A chunk waiting for the probe, planned with nothing recomputed instead."""
+    return replace(c, select="planned", budget=0) if c.select == "probe" else c
+
+
+def _check_instead_of_probe(
+    inp: PlanInput, p: CachecraftParams, chunks: Sequence[ChunkPlan], spend: int
+) -> RecomputePlan:
+    """cachecraft when its probe would cost more than the recompute it steers: `spend` tokens
+    (the budget plus the probe's cost, at most every reused token), every reused token a
+    candidate at the check layer: each chunk's first probe_sink tokens keep going, then the
+    ones whose K/V deviate most across chunks (CacheBlend's check, with the probe's sink)."""
+    sizes = {i: c.slot.num_tokens for i, c in enumerate(chunks) if c.select == "probe"}
+    spend = min(spend, sum(sizes.values()))
+    shares = spread_by_size(spend, sizes)  # chunk budgets add up to the check's total
+    out = [
+        replace(
+            c,
+            recompute=tuple(range(sizes[i])),
+            budget=shares[i],
+            select="deviation",
+            reason=c.reason + "+check",
+        )
+        if i in sizes
+        else c
+        for i, c in enumerate(chunks)
+    ]
+    check = DeviationCheck(_check_layer(p, inp.num_layers), spend, sink=p.probe_sink)
+    return make_plan(inp, "cachecraft", out, deviation=check)
+
+
+def _check_layer(config: CachecraftParams, num_layers: int) -> int:
+    """The check's layer: probe_check_layer, but below the top one (a check there could stop
+    no candidate), so a shallow model checks at its next-to-last layer."""
+    return min(max(config.probe_check_layer, 0), max(num_layers - 2, 0))
+
+
+def probe_cost(
+    layout: PromptLayout,
+    prefix_hit: bool,
+    config: CachecraftParams,
+    num_layers: int,
+    question_rows: int | None = None,
+) -> float:
+    """What a probe of `layout` (trimmed to the question's last `question_rows`) costs under
+    `config`, in full-depth rows (as RecomputePlan.probe_cost), whether or not a plan runs one."""
+    rows = _probe_rows(layout, prefix_hit, question_rows)
+    return rows * (probe_last_layer(config, num_layers) + 1) / num_layers
+
+
+def probe_last_layer(config: CachecraftParams, num_layers: int) -> int:
+    """The last layer a probe runs: probe_last_layer, or the first probe_depth share of the
+    layers, within 0..num_layers - 1."""
+    if config.probe_last_layer is None:
+        last = math.ceil(config.probe_depth * num_layers - 1e-9) - 1
+    else:
+        last = config.probe_last_layer
+    return min(max(last, 0), num_layers - 1)
