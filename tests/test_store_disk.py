@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 from page_helpers import resident
+from safetensors.torch import save as st_save
 from store_helpers import make_variant
 
 from cachecraft.store import codec
 from cachecraft.store.config import StoreConfig
-from cachecraft.store.disk import DiskTier
+from cachecraft.store.disk import INDEX, QUARANTINE, DiskTier
 from cachecraft.store.layers import TensorLayerReader, all_layers
 from cachecraft.store.policy import VariantStats
 from cachecraft.store.store import TieredStore
+from cachecraft.store.variant import Variant
 
 SIZE = 512
 
@@ -185,43 +187,93 @@ def test_corrupted_layer_raises_in_layer_reader(tmp_path: Path) -> None:
     store.check_integrity()
 
 
-def test_a_store_written_with_blake2b_sums_still_reads_and_checks(tmp_path: Path) -> None:
-    """Checksums became CRC-32 (4.6x faster here); rows written before keep their untagged
-    blake2b sums, which still verify whole files and each layer, and still catch a flipped bit."""
-    import hashlib
-    import json
-
-    def blake(data: bytes) -> str:
-        return hashlib.blake2b(data, digest_size=16).hexdigest()
-
+def test_a_file_without_its_own_checksums_is_quarantined_never_trusted(tmp_path: Path) -> None:
+    """Files written before variants carried their checksums in their header (the index held
+    them, and `reindex` recomputed them from whatever bytes were there) cannot be told sound:
+    each is quarantined at its first read, a miss recomputed, never served."""
     store = disk_store(tmp_path, memory_slots=0)
     v = make_variant("a")
     assert store.offer(v).stored
     store.close()
     path = file_of(tmp_path, v.variant_id)
-    tensors, _ = codec.encode(v)
-    sums = {
-        n: blake(t.contiguous().view(torch.uint8).numpy().tobytes()) for n, t in tensors.items()
-    }
+    tensors, header = codec.encode(v)
+    old = {k: header[k] for k in ("format", "meta", "dtype", "int8")}  # the old header
+    path.write_bytes(st_save(tensors, metadata=old))
     tier = DiskTier(tmp_path, 1 << 20)
-    (old_sum,) = tier._db.execute("SELECT checksum FROM variants").fetchone()
-    assert old_sum.startswith(codec.CRC)
-    tier._db.execute(
-        "UPDATE variants SET checksum=?, tensor_sums=?",
-        (blake(path.read_bytes()), json.dumps(sums)),
-    )
+    tier._db.execute("UPDATE variants SET file_size=?", (path.stat().st_size,))
     tier.close()
     store = disk_store(tmp_path, memory_slots=0)
-    got = store.load(v.variant_id)
-    assert got is not None and torch.equal(got.keys, v.keys)
-    reader = store.open_layers(v.variant_id)
-    assert reader is not None and torch.equal(reader.layer(0)[1], v.values[0])
-    reader.close()
-    data = bytearray(path.read_bytes())
-    data[-3] ^= 0xFF
-    path.write_bytes(bytes(data))
-    assert store.load(v.variant_id) is None and not path.exists()
+    assert store.open_layers(v.variant_id) is None and store.variants("a") == []
+    assert not path.exists()
+    assert (tmp_path / QUARANTINE / path.name).exists()
+    store.check_integrity()
     store.close()
+
+
+def test_reindex_verifies_every_file_against_its_own_header(tmp_path: Path) -> None:
+    """Issue 56, defect 1: 4 KB overwritten mid-file and the index deleted; reindex used to
+    recompute the checksum from the damaged bytes and so index them. Now it finds the damage
+    against the file's own header, quarantines the file and indexes the intact ones."""
+    store = disk_store(tmp_path, memory_slots=0)
+    vs = [make_variant(k, seed=i, num_tokens=256, head_dim=16) for i, k in enumerate("ab")]
+    assert all(store.offer(v).stored for v in vs)
+    store.close()
+    bad = file_of(tmp_path, vs[0].variant_id)
+    data = bytearray(bad.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 4096] = bytes(4096)
+    bad.write_bytes(bytes(data))
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / (INDEX + suffix)).unlink(missing_ok=True)
+    tier = DiskTier(tmp_path, 1 << 30)  # the open adopts the good file, quarantines the bad
+    assert tier.recovery.adopted_files == 1 and tier.recovery.orphan_files == 1
+    out = tier.reindex()
+    assert (out.num_files, out.kept, out.unreadable) == (1, 1, 0)
+    assert tier.get(vs[0].variant_id) is None and tier.num_quarantined() == 1
+    got = tier.get(vs[1].variant_id)
+    assert got is not None and torch.equal(got.values, vs[1].values)
+    tier.close()
+
+
+@pytest.mark.parametrize("where", ["header", "tensor"])
+def test_a_damaged_header_or_tensor_fails_on_load(tmp_path: Path, where: str) -> None:
+    store = disk_store(tmp_path, memory_slots=0)
+    v = make_variant("a")
+    assert store.offer(v).stored
+    path = file_of(tmp_path, v.variant_id)
+    data = bytearray(path.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    at = data.index(b'"cci\\":') + 7 if where == "header" else 8 + header_len + 5
+    data[at] ^= 0x01  # one bit: a header digit of the CCI, or a K byte
+    path.write_bytes(bytes(data))
+    assert store.load(v.variant_id) is None
+    assert (tmp_path / QUARANTINE / path.name).exists()
+
+
+def test_non_finite_values_are_never_stored_nor_loaded(tmp_path: Path) -> None:
+    store = disk_store(tmp_path, memory_slots=0)
+    v = make_variant("a")
+    v.values[1, 0, 3, 2] = float("nan")
+    offered = store.offer(v)
+    assert not offered.stored and offered.reason == "not_finite"
+    assert store.stats().rejected["not_finite"] == 1 and store.variants("a") == []
+    with pytest.raises(codec.CorruptVariantError):
+        store.pin(v)
+    # written with valid checksums (a bug elsewhere): refused when read, layer-wise or whole
+    assert store.disk is not None
+    good = make_variant("b")
+    assert store.offer(good).stored
+    path = file_of(tmp_path, good.variant_id)
+    poisoned = Variant(good.meta, good.keys.clone(), good.values.clone())
+    poisoned.keys[0, 0, 0, 0] = float("inf")
+    path.write_bytes(codec.to_bytes(poisoned))
+    reader = store.open_layers(good.variant_id)
+    assert reader is not None
+    with pytest.raises(codec.CorruptVariantError, match="non-finite"):
+        reader.layer(0)
+    reader.close()
+    assert store.variants("b") == [] and store.load(good.variant_id) is None
+    store.check_integrity()
 
 
 def test_layer_reader_reads_every_layer_and_counts_time(tmp_path: Path) -> None:
@@ -278,7 +330,7 @@ def test_disk_capacity_evicts_by_policy(tmp_path: Path) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_int8_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
     store = disk_store(tmp_path, memory_slots=0, int8=True)
-    v = make_variant("a", num_tokens=16, head_dim=8, dtype=dtype)
+    v = make_variant("a", num_tokens=64, head_dim=32, dtype=dtype)  # tensors outweigh headers
     assert store.offer(v).stored
     got = store.load(v.variant_id)
     assert got is not None and got.keys.dtype == dtype

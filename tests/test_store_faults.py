@@ -200,7 +200,7 @@ def test_read_only_commands_never_create_and_reindex_rebuilds(tmp_path: Path) ->
     assert sorted(r["chunk_key"] for r in rows) == ["a", "b"]  # type: ignore[union-attr]
 
 
-def test_reindex_rebuilds_stale_rows_and_keeps_unreadable_files(tmp_path: Path) -> None:
+def test_reindex_rebuilds_stale_rows_and_quarantines_unreadable_files(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 1 << 20)
     vs = [make_variant(k, seed=i) for i, k in enumerate("ab")]
     for v in vs:
@@ -209,12 +209,13 @@ def test_reindex_rebuilds_stale_rows_and_keeps_unreadable_files(tmp_path: Path) 
     junk = tmp_path / ("f" * 32 + ".safetensors")
     tier.close()
     junk.write_bytes(b"garbage")
-    tier = DiskTier(tmp_path, 1 << 20)  # the open removes the undecodable orphan ...
+    tier = DiskTier(tmp_path, 1 << 20)  # the open quarantines the undecodable orphan ...
     assert tier.recovery.orphan_files == 1
-    junk.write_bytes(b"garbage")  # ... which reindex, unlike the open, leaves in place
+    junk.write_bytes(b"garbage")  # ... and so does reindex: moved aside, never deleted
     out = tier.reindex()
     assert (out.num_files, out.kept, out.rebuilt, out.unreadable) == (3, 0, 2, 1)
-    assert junk.exists()
+    assert not junk.exists() and tier.num_quarantined() == 2
+    assert len(tier) == 2
     assert all(tier.get(v.variant_id) is not None for v in vs)
     tier.close()
 

@@ -20,8 +20,9 @@ from cachecraft.store.variant import Variant
 
 StorageDtype = Literal["float16", "bfloat16", "float32"]
 
-RefusalReason = Literal["doorkeeper", "chunk_cap", "value", "too_big", "write_failed"]
-"""Why `offer` stored a variant nowhere: the doorkeeper has not seen its chunk often enough;
+RefusalReason = Literal["doorkeeper", "chunk_cap", "value", "too_big", "write_failed", "not_finite"]
+"""Why `offer` stored a variant nowhere: its K/V hold a NaN or an infinity (never stored
+anywhere); the doorkeeper has not seen its chunk often enough;
 the per-chunk cap (`max_variants_per_chunk`) keeps more valuable variants of the chunk; the
 eviction policy values it below what it would have to evict; it is bigger than every tier;
 every tier that would have taken it failed to write it (disk full or unwritable)."""
@@ -176,7 +177,8 @@ class ChunkStore(Protocol):
             namespace: the tenant that asked; the bytes count against it.
         Returns: whether the pin is durable: its disk copy exists (a restart can pin it again);
             False without a disk tier or when writing the copy failed.
-        Raises: PinLimitError, pinning nothing, past `max_pinned_bytes_per_namespace`."""
+        Raises: PinLimitError, pinning nothing, past `max_pinned_bytes_per_namespace`;
+            CorruptVariantError, pinning nothing, if its K/V hold a NaN or an infinity."""
         ...
 
     def unpin(self, variant_id: str) -> bool:

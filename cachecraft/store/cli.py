@@ -29,7 +29,11 @@ def add_chunks_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         ("stats", "totals of the directory"),
         ("rm", "remove every variant of the given chunk keys (servers stop listing them)"),
         ("clear", "remove every variant (servers stop listing them)"),
-        ("reindex", "rebuild the index from the files' headers (never deletes a file)"),
+        (
+            "reindex",
+            "verify every file against its own header and rebuild the index from the sound "
+            "ones (files that fail are moved to quarantine/, never deleted)",
+        ),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--cache-dir", required=True, help="the store's cache_dir")
@@ -59,6 +63,7 @@ def chunks_command(command: str, cache_dir: str, chunk_keys: list[str] | None = 
                 "bytes": sum(int(r["file_size"]) for r in rows),  # type: ignore[call-overload]
                 "hits": sum(int(r["hits"]) for r in rows),  # type: ignore[call-overload]
                 "unindexed_files": tier.num_unindexed_files(),
+                "quarantined_files": tier.num_quarantined(),
             }
         if command == "rm":  # each key once; the ones with no variant are named
             counts = {k: tier.remove_chunk(k) for k in dict.fromkeys(chunk_keys or [])}

@@ -1,6 +1,11 @@
 """Variant <-> safetensors: tensor naming (`k.{l}`, `v.{l}`), JSON metadata, int8, checksums.
 
-Owns the on-disk / on-wire format of one variant; never decides where it is stored.
+Owns the on-disk / on-wire format of one variant; never decides where it is stored. Every
+variant's bytes carry their own checks in the safetensors header: per tensor its dtype, shape
+and CRC-32 (`tensors`), and a CRC-32 of the header's other fields (`header_sum`), so a file
+verifies against nothing but itself and no index can bless damaged bytes. Decoding verifies
+all of it and that K/V are finite; bytes without these checks (written by older versions) are
+`UnverifiableVariantError`, never trusted.
 """
 
 from __future__ import annotations
@@ -22,7 +27,19 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 class CorruptVariantError(ValueError):
-    """Stored bytes fail their checksum or cannot be decoded."""
+    """Stored bytes fail their checksum, cannot be decoded or hold non-finite K/V."""
+
+
+class UnverifiableVariantError(CorruptVariantError):
+    """Stored bytes carry no checksum of their own (written before variants did): whether they
+    are intact cannot be told, so they are treated as corrupt."""
+
+
+TENSORS = "tensors"
+"""Header field: JSON {tensor name: [safetensors dtype, shape, CRC-32 of its bytes]}."""
+HEADER_SUM = "header_sum"
+"""Header field: CRC-32 of the header's other fields (canonical JSON)."""
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8"}
 
 
 CRC = "crc32:"
@@ -100,13 +117,50 @@ def encode(variant: Variant, int8: bool = False) -> tuple[dict[str, torch.Tensor
                 tensors[f"{name}s.{layer}"] = scale.contiguous()
             else:
                 tensors[f"{name}.{layer}"] = t.contiguous()
+    layout = {name: _layout_of(t) for name, t in tensors.items()}
     header = {
         "format": FORMAT,
         "meta": meta_to_json(variant.meta),
         "dtype": _dtype_name(variant.keys.dtype),
         "int8": "1" if int8 else "0",
+        TENSORS: json.dumps(layout, sort_keys=True, separators=(",", ":")),
     }
+    header[HEADER_SUM] = checksum(_canonical(header))
     return tensors, header
+
+
+def _layout_of(t: torch.Tensor) -> list[object]:
+    """[safetensors dtype, shape, CRC-32 of the bytes] of one stored tensor."""
+    return [_ST_DTYPES[t.dtype], list(t.shape), checksum(_tensor_bytes(t))]
+
+
+def _canonical(header: dict[str, str]) -> bytes:
+    body = {k: v for k, v in header.items() if k != HEADER_SUM}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def verified_layout(header: dict[str, str] | None, names: object) -> dict[str, list[object]]:
+    """The header's tensor layout once the header matches its own checksum and lists exactly
+    the tensors `names` (an iterable of the file's tensor names). Raises
+    UnverifiableVariantError for a header without checks, CorruptVariantError otherwise."""
+    if not header or HEADER_SUM not in header or TENSORS not in header:
+        raise UnverifiableVariantError("no checksum in the header (written by an older version)")
+    if checksum(_canonical(header)) != header[HEADER_SUM]:
+        raise CorruptVariantError("the header fails its checksum")
+    try:
+        layout = json.loads(header[TENSORS])
+    except ValueError as exc:
+        raise CorruptVariantError(f"unreadable tensor list: {exc}") from exc
+    if set(layout) != set(names):  # type: ignore[call-overload]
+        raise CorruptVariantError("the file's tensors differ from the header's list")
+    return layout
+
+
+def check_tensor(name: str, t: torch.Tensor, layout: dict[str, list[object]]) -> None:
+    """Raise CorruptVariantError unless tensor `name` has the dtype, shape and bytes its
+    header recorded."""
+    if _layout_of(t) != layout.get(name):
+        raise CorruptVariantError(f"tensor {name} fails its checksum")
 
 
 def to_bytes(variant: Variant, int8: bool = False) -> bytes:
@@ -119,18 +173,11 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {name: checksum(_tensor_bytes(t)) for name, t in tensors.items()}
-
-
-def tensor_matches(t: torch.Tensor, want: str | None) -> bool:
-    return matches(_tensor_bytes(t), want)
-
-
 def decode_layer(
     get: object, header: dict[str, str], layer: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V of one layer ([heads, tokens, dim]) through `get(name) -> tensor`."""
+    """K, V of one layer ([heads, tokens, dim]) through `get(name) -> tensor`; raises
+    CorruptVariantError if either holds a NaN or an infinity."""
     fetch = get  # a callable: safe_open(...).get_tensor or dict.__getitem__
     dtype = _DTYPES[header["dtype"]]
     out = []
@@ -138,7 +185,10 @@ def decode_layer(
         t = fetch(f"{name}.{layer}")  # type: ignore[operator]
         if header.get("int8") == "1":
             t = dequantize_int8(t, fetch(f"{name}s.{layer}"), dtype)  # type: ignore[operator]
-        out.append(t.to(device=device, dtype=dtype))
+        t = t.to(device=device, dtype=dtype)
+        if not bool(torch.isfinite(t).all()):
+            raise CorruptVariantError(f"{name}.{layer} holds non-finite values")
+        out.append(t)
     return out[0], out[1]
 
 
@@ -156,12 +206,21 @@ def from_tensors(
     return Variant(meta, keys, values)
 
 
+def header_of(data: bytes) -> dict[str, str]:
+    """The safetensors metadata of a variant's bytes (not verified)."""
+    header_len = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+
+
 def from_bytes(data: bytes, device: torch.device | str = "cpu") -> Variant:
-    """Decode safetensors bytes; raises CorruptVariantError if they cannot be decoded."""
+    """Decode safetensors bytes, verifying them against their own header (checksums) and their
+    K/V finite; raises CorruptVariantError (UnverifiableVariantError: no checksums) if not."""
     try:
         tensors = st_load(data)
-        header_len = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + header_len])["__metadata__"]
+        header = header_of(data)
+        layout = verified_layout(header, tensors.keys())
+        for name, t in tensors.items():
+            check_tensor(name, t, layout)
         return from_tensors(tensors, header, device)
     except CorruptVariantError:
         raise

@@ -1,15 +1,22 @@
 """DiskTier: one safetensors file per variant plus a SQLite index (WAL) of metadata and stats.
 
 Owns files and rows under one directory, their atomic writes (temp, fsync, rename inside the
-SQLite write lock), checksums on every read and crash recovery. Several processes may share the
-directory. It never chooses victims itself: the caller passes a `choose` function.
+SQLite write lock), verification on every read and crash recovery. Several processes may share
+the directory. It never chooses victims itself: the caller passes a `choose` function.
+
+Integrity: each file carries its own checksums in its header (`codec`: per tensor, and one of
+the header itself), written with it and verified on every load, layer-wise read, adoption and
+reindex; the index only copies the header's sum, never computes one from the bytes it checks.
+A file that fails (or holds non-finite K/V, or carries no checksums: written by an older
+version, so its soundness cannot be told) is moved to `quarantine/` with a warning and never
+indexed; a chunk-cache is recomputable, so a miss is the whole cost.
 
 Faults: a write that fails (disk full, unwritable) removes its temp file and reports "not
 stored" (`put` -> None, `last_write_error`; `write` returns that call's own error, so concurrent
 writers never read each other's), never raises; a directory that cannot be used raises
 StoreUnavailableError in one line; each file's safetensors header carries everything its index
-row holds, so a lost or stale index is rebuilt from the files (`reindex`, and on open for files
-the index does not know), never by deleting them; a corrupt index (not a database, malformed)
+row holds, so a lost or stale index is rebuilt from the verified files (`reindex`, and on open
+for files the index does not know), never by deleting them; a corrupt index (not a database, malformed)
 is moved aside as `index.sqlite.corrupt-<time>` on open and rebuilt the same way.
 `read_only=True` opens an existing index without creating, recovering or checkpointing
 anything (the CLI's ls / stats).
@@ -30,7 +37,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as st_save
 
 from cachecraft.errors import StoreUnavailableError
@@ -54,13 +60,16 @@ CREATE INDEX IF NOT EXISTS variants_chunk ON variants(chunk_key);
 """
 SUFFIX = ".safetensors"
 INDEX = "index.sqlite"
+QUARANTINE = "quarantine"
+"""Sub-directory where files that failed verification are moved (never served, never indexed;
+an operator may inspect or delete them)."""
 Chooser = Callable[[list[VariantStats], int], list[VariantStats] | None]
 
 
 class Recovery(NamedTuple):
     """What opening the directory cleaned up: dead processes' temp files removed, files the
-    index did not know adopted from their headers (undecodable ones removed: nothing could
-    serve them), rows whose file is gone dropped."""
+    index did not know adopted from their headers (`orphan_files`: ones that failed their
+    checks, quarantined), rows whose file is gone dropped."""
 
     temp_files: int
     orphan_files: int
@@ -77,8 +86,9 @@ class DiskWrite(NamedTuple):
 
 
 class Reindex(NamedTuple):
-    """What `reindex` did: rows kept (file matches), rows rebuilt from headers, undecodable
-    files left alone (counted, not deleted), rows dropped (file gone)."""
+    """What `reindex` did: rows kept (file verified and its row agrees), rows rebuilt from
+    verified headers, files that failed verification (`unreadable`: quarantined, not indexed),
+    rows dropped (file gone)."""
 
     num_files: int
     kept: int
@@ -197,7 +207,7 @@ class DiskTier:
     # -- recovery -------------------------------------------------------------------------
     def recover(self) -> Recovery:
         """Remove dead processes' temp files and rows without a file; adopt files without a
-        row from their headers (a lost index loses nothing), removing only undecodable ones."""
+        row from their verified headers (a lost index loses nothing), quarantining the rest."""
         temp = orphans = rowless = adopted = 0
         with self._write() as db:
             for path in self.root.glob(".*.tmp"):
@@ -211,10 +221,8 @@ class DiskTier:
             for name in sorted(files - rows.keys()):
                 if self._adopt(db, name):
                     adopted += 1
-                    continue
-                logger.warning("removing %s: not in the index and not a readable variant", name)
-                (self.root / name).unlink(missing_ok=True)
-                orphans += 1
+                else:
+                    orphans += 1
             for name in sorted(rows.keys() - files):
                 logger.warning("dropping index row %s: its file is missing", rows[name])
                 db.execute("DELETE FROM variants WHERE variant_id=?", (rows[name],))
@@ -224,59 +232,71 @@ class DiskTier:
         return Recovery(temp, orphans, rowless, adopted)
 
     def _adopt(self, db: sqlite3.Connection, name: str) -> bool:
-        """Insert (or replace) the row of file `name` from its bytes and header (hit statistics
-        start at zero); False if the file cannot be decoded or is not named after its id."""
-        path = self.root / name
-        try:
-            data = path.read_bytes()
-            variant = codec.from_bytes(data)
-            header_len = int.from_bytes(data[:8], "little")
-            header = json.loads(data[8 : 8 + header_len])["__metadata__"]
-            tensors = safetensors_load(data)
-        except (OSError, ValueError, KeyError) as exc:
-            logger.warning("cannot read %s: %s", name, exc)
+        """Insert (or replace) the row of file `name` from its header once the whole file
+        verified against it (hit statistics start at zero); a file that fails, or is not named
+        after its variant, is quarantined: False."""
+        verified = self._verify(name)
+        if verified is None:
+            self._quarantine_locked(db, name, None)
             return False
-        vid = variant.variant_id
-        if name != vid + SUFFIX:
-            logger.warning("%s holds variant %s: not adopted", name, vid)
-            return False
+        variant, header, size = verified
         db.execute(
             "INSERT OR REPLACE INTO variants (variant_id, chunk_key, file, file_size, checksum,"
             " tensor_sums, meta, num_tokens, nbytes) VALUES (?,?,?,?,?,?,?,?,?)",
             (
-                vid, variant.chunk_key, name, len(data), codec.checksum(data),
-                json.dumps(codec.tensor_checksums(tensors)), header["meta"],
-                variant.meta.num_tokens, variant.nbytes,
+                variant.variant_id, variant.chunk_key, name, size, header[codec.HEADER_SUM],
+                header[codec.TENSORS], header["meta"], variant.meta.num_tokens, variant.nbytes,
             ),
         )  # fmt: skip
         return True
 
+    def _verify(self, name: str) -> tuple[Variant, dict[str, str], int] | None:
+        """(variant, header, size) of file `name` if it verifies against its own header, holds
+        finite K/V and is named after its variant; None (logged) otherwise."""
+        try:
+            data = (self.root / name).read_bytes()
+            variant = codec.from_bytes(data)
+        except (OSError, codec.CorruptVariantError) as exc:
+            logger.warning("chunk-cache file %s fails verification: %s", name, exc)
+            return None
+        if name != variant.variant_id + SUFFIX:
+            logger.warning("%s holds variant %s: not indexed", name, variant.variant_id)
+            return None
+        return variant, codec.header_of(data), len(data)
+
     def reindex(self) -> Reindex:
-        """Rebuild the index from the files: rows whose file still matches its checksum are
-        kept (with their statistics), others rebuilt from the file's header, rows without a file
-        dropped. Files that cannot be decoded are counted and left in place."""
+        """Rebuild the index from the files, verifying each against its own header: rows of
+        files that verify and agree with their header are kept (with their statistics), others
+        rebuilt from the header; files that fail are quarantined; rows without a file dropped."""
         kept = rebuilt = unreadable = dropped = 0
         with self._write() as db:
             files = sorted(p.name for p in self.root.glob("*" + SUFFIX))
-            rows = dict(db.execute("SELECT file, checksum FROM variants").fetchall())
+            rows = {
+                f: (size, want)
+                for f, size, want in db.execute("SELECT file, file_size, checksum FROM variants")
+            }
             for name in files:
-                want = rows.get(name)
-                if want is not None:
-                    try:
-                        if codec.matches((self.root / name).read_bytes(), want):
-                            kept += 1
-                            continue
-                    except OSError:
-                        pass
-                if self._adopt(db, name):
-                    rebuilt += 1
-                else:
+                verified = self._verify(name)
+                if verified is None:
+                    self._quarantine_locked(db, name, None)
                     unreadable += 1
-                    db.execute("DELETE FROM variants WHERE file=?", (name,))
+                    continue
+                _, header, size = verified
+                if rows.get(name) == (size, header[codec.HEADER_SUM]):
+                    kept += 1
+                elif self._adopt(db, name):
+                    rebuilt += 1
+                else:  # changed between the two reads
+                    unreadable += 1
             for name in sorted(rows.keys() - set(files)):
                 db.execute("DELETE FROM variants WHERE file=?", (name,))
                 dropped += 1
         return Reindex(len(files), kept, rebuilt, unreadable, dropped)
+
+    def num_quarantined(self) -> int:
+        """Files in the quarantine folder (failed verification; never served)."""
+        folder = self.root / QUARANTINE
+        return sum(1 for _ in folder.glob("*" + SUFFIX)) if folder.is_dir() else 0
 
     # -- reads ----------------------------------------------------------------------------
     def metas(self, chunk_key: str) -> list[VariantMeta]:
@@ -327,58 +347,85 @@ class DiskTier:
             out.append(d)
         return out
 
-    def _row(self, variant_id: str) -> tuple[str, int, str, str] | None:
-        got = self._query(
-            "SELECT file, file_size, checksum, tensor_sums FROM variants WHERE variant_id=?",
-            (variant_id,),
-        )
+    def _row(self, variant_id: str) -> tuple[str, int] | None:
+        got = self._query("SELECT file, file_size FROM variants WHERE variant_id=?", (variant_id,))
         return got[0] if got else None
 
     def get(self, variant_id: str, device: torch.device | str = "cpu") -> Variant | None:
-        """The variant, or None if absent; a missing, short or corrupt file is removed, logged
-        and reported as None (never served)."""
+        """The variant, or None if absent; a missing, short or corrupt file (one that fails
+        its own header's checks, holds non-finite K/V or carries no checks) is quarantined,
+        logged and reported as None (never served)."""
         row = self._row(variant_id)
         if row is None:
             return None
-        file, size, want, _ = row
+        file, size = row
         try:
             data = (self.root / file).read_bytes()
         except FileNotFoundError:
             data = b""
-        if len(data) != size or not codec.matches(data, want):
-            self._corrupt(variant_id, file, "checksum/size mismatch")
+        if len(data) != size:
+            self._corrupt(variant_id, file, f"{len(data)} bytes, the index says {size}")
             return None
         try:
-            return codec.from_bytes(data, device)
+            variant = codec.from_bytes(data, device)
         except codec.CorruptVariantError as exc:
             self._corrupt(variant_id, file, str(exc))
             return None
+        if variant.variant_id != variant_id:
+            self._corrupt(variant_id, file, f"holds variant {variant.variant_id}")
+            return None
+        return variant
 
     def open_layers(
         self, variant_id: str, device: torch.device | str = "cpu"
     ) -> FileLayerReader | None:
+        """A layer-wise reader of the variant's file (its header verified now, each tensor as
+        it is read); None if absent or the file fails (then quarantined)."""
         row = self._row(variant_id)
         if row is None:
             return None
-        file, size, _, sums = row
+        file, size = row
         path = self.root / file
         try:
             if path.stat().st_size != size:
                 raise codec.CorruptVariantError("size mismatch")
             return FileLayerReader(
                 str(path),
-                json.loads(sums),
                 device,
-                on_corrupt=lambda: self._corrupt(variant_id, file, "tensor checksum"),
+                on_corrupt=lambda why: self._corrupt(variant_id, file, why),
             )
         except (OSError, codec.CorruptVariantError, Exception) as exc:  # noqa: BLE001
             self._corrupt(variant_id, file, f"cannot open: {exc}")
             return None
 
     def _corrupt(self, variant_id: str, file: str, why: str) -> None:
-        logger.warning("disk variant %s is corrupt (%s): removed, not served", variant_id, why)
+        logger.warning("disk variant %s is corrupt (%s): quarantined, not served", variant_id, why)
+        with self._write() as db:
+            self._quarantine_locked(db, file, variant_id)
+
+    def _quarantine_locked(self, db: sqlite3.Connection, file: str, variant_id: str | None) -> None:
+        """Move `file` into the quarantine folder (if it is still there) and drop its row."""
         self.num_corrupt += 1
-        self.delete(variant_id)
+        if variant_id is not None:
+            db.execute("DELETE FROM variants WHERE variant_id=?", (variant_id,))
+        db.execute("DELETE FROM variants WHERE file=?", (file,))
+        src = self.root / file
+        if not src.exists():
+            return
+        folder = self.root / QUARANTINE
+        try:
+            folder.mkdir(exist_ok=True)
+            dst = folder / file
+            if dst.exists():  # an earlier copy of the same name: keep both
+                dst = (
+                    folder
+                    / f"{src.stem}.{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}{SUFFIX}"
+                )
+            os.replace(src, dst)
+            logger.warning("chunk-cache file %s quarantined in %s", file, folder)
+        except OSError as exc:  # cannot move it: never leave it where it could be indexed
+            logger.warning("cannot quarantine %s (%s): removed", file, exc)
+            src.unlink(missing_ok=True)
 
     # -- writes ---------------------------------------------------------------------------
     def put(self, variant: Variant, stats: VariantStats, choose: Chooser) -> list[str] | None:
@@ -445,8 +492,8 @@ class DiskTier:
                 db.execute(
                     "INSERT INTO variants VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
-                        vid, variant.chunk_key, file, len(data), codec.checksum(data),
-                        json.dumps(codec.tensor_checksums(tensors)), header["meta"],
+                        vid, variant.chunk_key, file, len(data), header[codec.HEADER_SUM],
+                        header[codec.TENSORS], header["meta"],
                         variant.meta.num_tokens, variant.nbytes, stats.hits, stats.cfo_sum,
                         stats.freq, stats.last_tick,
                     ),

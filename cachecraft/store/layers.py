@@ -55,35 +55,37 @@ def all_layers(reader: LayerReader) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class FileLayerReader:
-    """Reads one layer's tensors from a safetensors file on demand, checking each tensor's
-    checksum; a mismatch raises CorruptVariantError and calls `on_corrupt`."""
+    """Reads one layer's tensors from a safetensors file on demand, each checked against the
+    file's own header (which is checked against its own checksum when the file is opened) and
+    for finite values; a mismatch raises CorruptVariantError and calls `on_corrupt`."""
 
     def __init__(
         self,
         path: str,
-        tensor_sums: dict[str, str],
         device: torch.device | str = "cpu",
-        on_corrupt: Callable[[], None] | None = None,
+        on_corrupt: Callable[[str], None] | None = None,
     ) -> None:
         self._file = safe_open(path, framework="pt", device="cpu")
         self._header = self._file.metadata()
-        self._sums = tensor_sums
+        self._layout = codec.verified_layout(self._header, self._file.keys())
         self._device = device
         self._on_corrupt = on_corrupt
         self._lock = threading.Lock()
-        self.num_layers = sum(1 for name in self._sums if name.startswith("k."))
+        self.num_layers = sum(1 for name in self._layout if name.startswith("k."))
 
     def _get(self, name: str) -> torch.Tensor:
         t = self._file.get_tensor(name)
-        if not codec.tensor_matches(t, self._sums.get(name)):
-            if self._on_corrupt is not None:
-                self._on_corrupt()
-            raise codec.CorruptVariantError(f"tensor {name} fails its checksum")
+        codec.check_tensor(name, t, self._layout)
         return t
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
-            return codec.decode_layer(self._get, self._header, layer, self._device)
+            try:
+                return codec.decode_layer(self._get, self._header, layer, self._device)
+            except codec.CorruptVariantError as exc:
+                if self._on_corrupt is not None:
+                    self._on_corrupt(str(exc))
+                raise
 
     def close(self) -> None:
         self._file = None  # safe_open handles close when collected

@@ -27,7 +27,8 @@ class StoreStats:
     """By "tier:reason": capacity, chunk_cap, corrupt, removed."""
     admitted: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
-    """Offers not stored, by reason: doorkeeper, chunk_cap, value, too_big."""
+    """Offers not stored, by reason: doorkeeper, chunk_cap, value, too_big, write_failed,
+    not_finite."""
     prefetch_loads: int = 0
     prefetch_load_s: float = 0.0
     prefetch_hidden_s: float = 0.0

@@ -19,6 +19,7 @@ import torch
 
 from cachecraft.errors import StoreUnavailableError
 from cachecraft.store.base import OfferResult, PinView, RefusalReason, StorageDtype, TierHealth
+from cachecraft.store.codec import CorruptVariantError
 from cachecraft.store.config import StoreConfig
 from cachecraft.store.disk import DiskTier
 from cachecraft.store.layers import LayerReader, ReadAheadLayerReader, TensorLayerReader
@@ -175,6 +176,11 @@ class TieredStore(Placement):
 
     def offer(self, variant: Variant, wait: bool = True) -> OfferResult:
         chunk, vid = variant.chunk_key, variant.variant_id
+        if not variant.is_finite():  # never stored: every later request would reuse it
+            logger.warning("variant %s holds non-finite K/V: not stored", vid)
+            with self._lock:
+                self._stats.rejected["not_finite"] += 1
+            return OfferResult(vid, False, "not_finite")
         if wait and vid in self.writes:  # its queued write first, then this one's result
             self.flush()
         with self._lock:
@@ -373,6 +379,8 @@ class TieredStore(Placement):
     # -- pinning --------------------------------------------------------------------------
     def pin(self, variant: Variant, namespace: str = "default") -> bool:
         vid = variant.variant_id
+        if not variant.is_finite():
+            raise CorruptVariantError(f"variant {vid} holds non-finite K/V: not pinned")
         with self._lock:
             if not self.pins.add(variant, namespace):  # pinned already: nothing to do
                 return self.disk is not None and vid in self.disk

@@ -35,6 +35,15 @@ class Variant:
             self.values.numel() * self.values.element_size()
         )
 
+    def is_finite(self) -> bool:
+        """No NaN or infinity in K or V (a layer at a time: no full-size temporary)."""
+        return all(
+            bool(
+                torch.isfinite(self.keys[layer]).all() and torch.isfinite(self.values[layer]).all()
+            )
+            for layer in range(self.keys.shape[0])
+        )
+
     def __post_init__(self) -> None:
         if self.keys.shape != self.values.shape or self.keys.dim() != 4:
             raise ValueError(f"keys {tuple(self.keys.shape)} / values {tuple(self.values.shape)}")
