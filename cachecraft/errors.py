@@ -1,6 +1,7 @@
 """Exceptions cachecraft raises for bad input: each carries a message a user can act on.
 
-The CLI and the server turn these into one-line errors / HTTP 4xx, never stack traces.
+The CLI and the server turn these into one-line errors / HTTP 4xx, never stack traces
+(`NonFiniteError` alone is the server's fault: 500).
 """
 
 from __future__ import annotations
@@ -35,3 +36,9 @@ class PinLimitError(CachecraftError):
 
 class StoreUnavailableError(CachecraftError):
     """A store location (cache directory, Redis) cannot be used; the message says which."""
+
+
+class NonFiniteError(RuntimeError):
+    """The model computed a NaN or an infinity for a request (its logits or log-probabilities).
+    Not the user's fault (the server answers 500, or an error event in a stream): the request
+    fails and nothing computed for it is cached."""

@@ -32,7 +32,7 @@ from cachecraft.engine.config import EngineConfig, EngineStopped, Liveness
 from cachecraft.engine.handle import Failed, Finished, RequestHandle
 from cachecraft.engine.live import MAX_PROMPTS_SEEN, Live, PromptMemory
 from cachecraft.engine.options import RequestExtras, RequestOptions, StepStat
-from cachecraft.engine.runner import PrefillOutcome, Runner
+from cachecraft.engine.runner import PrefillOutcome, Runner, require_finite
 from cachecraft.engine.sampling import SamplingParams, sample, token_logprobs
 from cachecraft.engine.scheduler import QueueFull, Scheduler
 from cachecraft.model.kv import KVCache
@@ -376,7 +376,11 @@ class Engine:
     ) -> PrefillOutcome | None:
         """Rows `span` of its prefill ran: its outcome once the whole prefill is in (None: more
         pieces to come, or finishing it failed the request)."""
-        whole = live.prefill_result(result, span)
+        try:  # a non-finite row never becomes a prompt log-probability
+            whole = live.prefill_result(result, span)
+        except Exception as e:
+            self._fail(live.request_id, e)
+            return None
         if whole is None:
             return None
         assert live.job is not None
@@ -400,6 +404,7 @@ class Engine:
         try:
             assert live.state is not None
             out, prompt = live.state.output_ids, live.prompt_ids
+            require_finite(logits)  # never a token (or a log-probability) from a NaN
             token = sample(logits, live.sampling, live.generator, out, prompt, live.stops)
             logprobs = None if k is None else token_logprobs(logits, token, k)
         except Exception as e:

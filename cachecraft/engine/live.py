@@ -19,7 +19,7 @@ import torch
 from cachecraft.engine.handle import Finished, Planned, PromptLogprobs, RequestHandle, Token
 from cachecraft.engine.options import RequestExtras, RequestOptions, force_tokens
 from cachecraft.engine.request import SeqState
-from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner
+from cachecraft.engine.runner import PrefillJob, PrefillOutcome, Runner, require_finite
 from cachecraft.engine.sampling import (
     SamplingParams,
     TokenLogprobs,
@@ -187,6 +187,7 @@ class Live:
         the last row's logits stay (the next token's, once the last piece is in). `start`: the
         piece's first row (a prefill run again whole after a failed step starts at 0)."""
         assert self.job is not None and self.plan is not None
+        require_finite(result.logits)  # every row becomes a log-probability
         ids = self.prompt_ids
         m = result.logits.shape[0]
         start = 0 if m == len(self.job.rows) else start

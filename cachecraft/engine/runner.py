@@ -26,7 +26,7 @@ from cachecraft.engine.prefix_cache import PrefixCache
 from cachecraft.engine.probe import Probe, ScratchCaches, probe_work
 from cachecraft.engine.report import ChunkReport, RequestReport
 from cachecraft.engine.variants import make_variants
-from cachecraft.errors import BadRequestError
+from cachecraft.errors import BadRequestError, NonFiniteError
 from cachecraft.model.kv import KVCache
 from cachecraft.model.loader import DTYPES, LoadedModel
 from cachecraft.model.step import Hook, SeqResult, SeqWork
@@ -42,6 +42,15 @@ from cachecraft.store.meta import VariantMeta
 from cachecraft.store.variant import Variant
 
 log = logging.getLogger(__name__)
+
+
+def require_finite(logits: torch.Tensor) -> None:
+    """Raise NonFiniteError unless every logit is finite (a NaN in K/V reaches them all)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteError(
+            "the model computed non-finite logits (NaN or infinity) for this request; "
+            "nothing was cached from it"
+        )
 
 
 @dataclass(slots=True)
@@ -314,8 +323,11 @@ class Runner:
 
     # ---- after the forward ----------------------------------------------------------------
     def finish(self, job: PrefillJob, result: SeqResult) -> PrefillOutcome:
+        """The outcome of a prefill; raises NonFiniteError if its logits hold a NaN or an
+        infinity (its K/V are then suspect: the request fails and nothing of it is stored)."""
         if job.loader is not None:
             job.loader.close()
+        require_finite(result.logits[-1])
         plan, layout = job.plan, job.plan.layout
         top = self.loaded.arch.num_layers - 1
         last = result.rows_last_layer
@@ -376,9 +388,11 @@ class Runner:
             )
         if not plan.prefix_hit:
             p = plan.layout.prefix_len
-            self.prefix_cache.put(
-                plan.layout.prefix_key, job.kv.k[:, :, :p].clone(), job.kv.v[:, :, :p].clone()
-            )
+            k, v = job.kv.k[:, :, :p], job.kv.v[:, :, :p]
+            if bool(torch.isfinite(k).all() and torch.isfinite(v).all()):
+                self.prefix_cache.put(plan.layout.prefix_key, k.clone(), v.clone())
+            else:  # every request of the namespace would reuse it
+                log.warning("prefix %s holds non-finite K/V: not cached", plan.layout.prefix_key)
         return outcome.variants
 
     @staticmethod

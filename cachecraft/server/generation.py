@@ -339,6 +339,7 @@ async def _sse(
     except Exception as e:  # headers are gone: report in-band, as OpenAI does
         type_ = "invalid_request_error" if isinstance(e, CachecraftError) else "server_error"
         yield event(error_body(f"{type(e).__name__}: {e}", type_))
+        yield "data: [DONE]\n\n"  # the stream still ends as every OpenAI stream does
     finally:
         for p in pumps:
             p.cancel()
