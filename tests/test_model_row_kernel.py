@@ -4,7 +4,12 @@ unchanged by it, and torch's SDPA wherever it is switched off or cannot be built
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -171,4 +176,51 @@ def test_the_build_is_cached_per_source_torch_and_cpu(
     stamp = built.stat().st_mtime_ns
     assert row_kernel.build("false") == built  # a rebuild would fail
     assert built.stat().st_mtime_ns == stamp
-    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no partial file left
+    # no partial file left; the hash beside the library
+    assert sorted(p.name for p in built.parent.iterdir()) == [built.name, built.name + ".sha256"]
+
+
+KERNEL_LOADS = """
+import torch
+from cachecraft.model.row_kernel import load_row_kernel
+kernel = load_row_kernel()
+assert kernel is not None, "no kernel"
+q, k, v = torch.randn(2, 3, 16), torch.randn(1, 3, 16), torch.randn(1, 3, 16)
+out = torch.empty(3, 2, 16)  # [rows, query heads, head_dim]
+kernel(q, k, v, torch.arange(3), 0, 0.25, out)
+assert torch.isfinite(out).all()
+"""
+
+
+def test_a_truncated_library_is_rebuilt_never_loaded(tmp_path: Path) -> None:
+    """Issue 56, defect 4: `head -c 5000` of the built library made every start die with
+    SIGBUS (exit 135). A process loading it now (its own, as a server start would) finds it
+    fails its hash, rebuilds it and exits 0. (Zeroed, garbage and empty files fail the same
+    check: the test below.)"""
+    compiler = cxx_compiler()
+    assert compiler is not None
+    cached = row_kernel.build(compiler)  # the suite's own build, copied: one build here
+    kernels = tmp_path / "cachecraft" / "kernels"
+    kernels.mkdir(parents=True)
+    built = kernels / cached.name
+    built.write_bytes(cached.read_bytes()[:5000])
+    shutil.copy(cached.with_name(cached.name + ".sha256"), kernels)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", KERNEL_LOADS], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "rebuilding" in done.stderr
+    assert row_kernel.is_sound(built) and built.stat().st_size > 5000
+
+
+def test_garbage_empty_or_unrecorded_libraries_are_not_sound(tmp_path: Path) -> None:
+    lib = tmp_path / "row_attention-x.so"
+    lib.write_bytes(b"\x7fELF garbage")
+    assert not row_kernel.is_sound(lib)  # no hash recorded (built by an older version)
+    (tmp_path / "row_attention-x.so.sha256").write_text(hashlib.sha256(b"whole").hexdigest())
+    for data in (b"\x7fELF garbage", b"", b"whol"):
+        lib.write_bytes(data)
+        assert not row_kernel.is_sound(lib)
+    lib.write_bytes(b"whole")
+    assert row_kernel.is_sound(lib)

@@ -9,8 +9,12 @@ from its position, so scattered rows of a partial prefill need no mask tensor.
 
 The build needs a C++ compiler (`$CXX`, else `g++`, else `c++`); it runs once per
 machine, torch version and source (~0.1 MB; earlier builds are left in place, as another
-checkout may use them), and lands in `cache_home()/kernels` (env.py). Where it
-cannot be built or loaded, or `CACHECRAFT_ROW_KERNEL=0` (env.py), `load_row_kernel` returns
+checkout may use them), and lands in `cache_home()/kernels` (env.py), with the library's
+SHA-256 in a sidecar (`<name>.so.sha256`) written after it. The library is loaded only when
+its bytes match that hash: loading a truncated library (a partial copy, a full disk) killed
+the process with SIGBUS, so a file that fails (truncated, garbage, empty, zeroed, or built
+without a sidecar) is rebuilt once, and where that fails too attention runs on SDPA with a
+warning. Where it cannot be built or loaded, or `CACHECRAFT_ROW_KERNEL=0` (env.py), `load_row_kernel` returns
 None and attention runs on torch's SDPA (model/attention.py), with the same results to float
 rounding.
 """
@@ -91,17 +95,42 @@ def _command(compiler: str, out: Path) -> list[str]:
     ]
 
 
+def _sidecar(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def is_sound(target: Path) -> bool:
+    """Whether the library's bytes match the hash recorded when it was built (False without
+    a record: it cannot be told whole)."""
+    try:
+        return _sidecar(target).read_text().strip() == _digest(target)
+    except OSError:
+        return False
+
+
 def build(compiler: str) -> Path:
-    """The compiled library for this source, torch and CPU: from the cache, else built now
-    (written under a temporary name, then renamed: concurrent builds never see a partial one)."""
+    """The compiled library for this source, torch and CPU: from the cache when it matches its
+    recorded hash, else built now (written under a temporary name, then renamed: concurrent
+    builds never see a partial one; the hash's sidecar is written the same way, after it).
+    Raises RuntimeError if the build fails or its result does not match its own hash."""
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
     key.update(torch.__version__.encode())
     key.update(_cpu_signature().encode())
     key.update(" ".join(_command(compiler, Path("x"))[1:]).encode())  # the flags, not the compiler
     target = cache_home() / "kernels" / f"row_attention-{key.hexdigest()[:16]}.so"
-    if target.exists():
+    if is_sound(target):
         return target
+    if target.exists():
+        log.warning(
+            "row-attention kernel %s does not match its recorded hash (damaged, truncated or "
+            "built without one): rebuilding it",
+            target,
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("building the row-attention kernel (once per machine and torch; ~6 s)")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -111,7 +140,13 @@ def build(compiler: str) -> Path:
         )
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-2000:] or f"exit status {done.returncode}")
+        digest = _digest(partial)
         os.replace(partial, target)
+        record = Path(tmp) / "sha256"
+        record.write_text(digest + "\n")
+        os.replace(record, _sidecar(target))
+    if not is_sound(target):  # another process replaced it meanwhile with a different build
+        raise RuntimeError(f"the rebuilt kernel {target} does not match its hash")
     return target
 
 
