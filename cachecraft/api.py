@@ -46,6 +46,8 @@ from cachecraft.reuse.variant_choice import VariantScore
 from cachecraft.server.convert import to_rag
 from cachecraft.server.launch import Stack, build_stack, close_stack, start_server
 from cachecraft.server.protocol import ChatCompletionRequest
+from cachecraft.store.codec import from_bytes as variant_from_bytes
+from cachecraft.store.codec import to_bytes as variant_to_bytes
 from cachecraft.store.memory import MemoryStore, memory_config
 from cachecraft.store.meta import VariantMeta
 from cachecraft.store.redis_server import RedisServer
@@ -114,6 +116,8 @@ __all__ = [
     "resolve_model_dir",
     "start_server",
     "top_scored",
+    "variant_from_bytes",
+    "variant_to_bytes",
 ]
 
 

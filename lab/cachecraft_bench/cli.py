@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from cachecraft_bench.chaos import add_bench_chaos_parser
 from cachecraft_bench.chat_bench import add_bench_chat_parser
 from cachecraft_bench.decode_bench import add_bench_decode_parser
 from cachecraft_bench.quality_cli import add_bench_quality_parser, add_calibrate_parser
@@ -35,7 +36,8 @@ def _bench_model(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `bench` (model | quality | store | serve | decode | chat | report) and `calibrate`
+    """Add `bench` (model | quality | store | serve | decode | chat | report | chaos) and
+    `calibrate`
     to the `cachecraft` command's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     model = bench.add_parser("model", help="our prefill vs HF transformers, side by side")
@@ -51,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         add_bench_decode_parser,
         add_bench_chat_parser,
         add_bench_report_parser,
+        add_bench_chaos_parser,
     ):
         add(bench)
     add_calibrate_parser(sub)
