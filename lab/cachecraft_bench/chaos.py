@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from cachecraft.api import LLM, LoadedModel, SamplingParams, variant_from_bytes, variant_to_bytes
@@ -240,10 +241,11 @@ def run_chaos(
     seed: int = 0,
     faults: tuple[str, ...] = FAULTS,
     cache_dir: Path | None = None,
+    on_injection: Callable[[int, FaultRow], None] | None = None,
 ) -> list[FaultRow]:
     """`injections` faults, the classes in turn, each followed by the request whose chunk it
     hit (or, for the kernel, a fresh process answering it). `model_ref`: what a fresh process
-    loads the same model from (the kernel class)."""
+    loads the same model from (the kernel class). `on_injection(i, row)`: after each one."""
     rng = random.Random(seed)
     rows = {f: FaultRow(f) for f in faults}
     requests = workload(rng)
@@ -268,6 +270,8 @@ def run_chaos(
                     row.wrong += started and not equal
                     if why:
                         row.errors.append(why)
+                    if on_injection is not None:
+                        on_injection(i, row)
                     continue
                 before = run.stored_ids(requests)
                 mine = sorted(run.stored_ids([request]))
@@ -283,6 +287,8 @@ def run_chaos(
                 run.ask(request, row)
                 after = run.stored_ids(requests)
                 row.lost += sum(1 for vid in before if vid not in damaged and vid not in after)
+                if on_injection is not None:
+                    on_injection(i, row)
         finally:
             run.close()
     return list(rows.values())
@@ -319,7 +325,13 @@ def main_chaos(args: argparse.Namespace) -> int:
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         raise SystemExit(f"--faults: unknown {', '.join(unknown)}; choose of {', '.join(FAULTS)}")
-    rows = run_chaos(load_model(args.model), args.model, args.injections, args.seed, faults)
+
+    def progress(i: int, row: FaultRow) -> None:  # partial results survive a killed run
+        print(f"injection {i + 1}/{args.injections}: {dataclasses.asdict(row)}", file=sys.stderr)
+
+    rows = run_chaos(
+        load_model(args.model), args.model, args.injections, args.seed, faults, None, progress
+    )
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
