@@ -14,9 +14,9 @@ SHA-256 in a sidecar (`<name>.so.sha256`) written after it. The library is loade
 its bytes match that hash: loading a truncated library (a partial copy, a full disk) killed
 the process with SIGBUS, so a file that fails (truncated, garbage, empty, zeroed, or built
 without a sidecar) is rebuilt once, and where that fails too attention runs on SDPA with a
-warning. Where it cannot be built or loaded, or `CACHECRAFT_ROW_KERNEL=0` (env.py), `load_row_kernel` returns
-None and attention runs on torch's SDPA (model/attention.py), with the same results to float
-rounding.
+warning. Where it cannot be built or loaded, or `CACHECRAFT_ROW_KERNEL=0` (env.py),
+`load_row_kernel` returns None and attention runs on torch's SDPA (model/attention.py), with
+the same results to float rounding.
 """
 
 from __future__ import annotations
