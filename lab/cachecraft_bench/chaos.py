@@ -186,13 +186,13 @@ class ChaosRun:
         self.llm.store.close()
 
 
-def _reindex(cache_dir: Path) -> bool:
-    """`cachecraft chunks reindex` as a user runs it; True if it exited 0."""
+def _reindex(cache_dir: Path) -> str | None:
+    """`cachecraft chunks reindex` as a user runs it; None if it exited 0, else why."""
     cmd = [sys.executable, "-m", "cachecraft.cli", "chunks", "reindex"]
     done = subprocess.run(
-        [*cmd, "--cache-dir", str(cache_dir), "--json"], capture_output=True, timeout=300
+        [*cmd, "--cache-dir", str(cache_dir), "--json"], capture_output=True, text=True, timeout=300
     )
-    return done.returncode == 0
+    return None if done.returncode == 0 else f"reindex exit {done.returncode}: {done.stderr[-300:]}"
 
 
 def _kernel_start(
@@ -277,8 +277,10 @@ def run_chaos(
                 mine = sorted(run.stored_ids([request]))
                 if fault == "index":
                     injector.lose_index()
-                    if i // len(faults) % 2 and not _reindex(root):
+                    failed = _reindex(root) if i // len(faults) % 2 else None
+                    if failed is not None:
                         row.failed_starts += 1
+                        row.errors.append(failed)
                     run.restart(row)
                 elif mine:
                     victim = rng.choice(mine)
