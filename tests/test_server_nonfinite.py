@@ -81,7 +81,7 @@ def test_a_stream_never_carries_nan(poisoned: Served) -> None:
     with httpx.stream("POST", poisoned.url + CHAT, json=body, timeout=T) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     events = [strict(line.removeprefix("data: ")) for line in lines if line != "data: [DONE]"]
-    assert "data: [DONE]" not in lines  # it failed, so it does not end as a finished answer
+    assert lines[-1] == "data: [DONE]"  # the error event, then the end every OpenAI stream has
     assert "error" in events[-1] and events[-1]["error"]["type"] == "server_error"
     for e in events[:-1]:  # nothing before the error carries a log-probability of a NaN token
         for choice in e.get("choices", []):
