@@ -24,6 +24,7 @@ from cachecraft.errors import BadRequestError
 from cachecraft.llm import LLM, Answer, RequestOutput
 from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
 from cachecraft.model.reference import greedy_tokens, prefill
+from cachecraft.model.shapes import SHAPES
 from cachecraft.request import RagRequest
 from cachecraft.reuse.cachecraft import CachecraftParams, CachecraftStrategy, make_probe, probe_cost
 from cachecraft.reuse.layout import build_layout
@@ -81,6 +82,7 @@ __all__ = [
     "RequestOutput",
     "RequestReport",
     "ReuseStrategy",
+    "SHAPES",
     "SamplingParams",
     "Scoring",
     "ScoringRules",

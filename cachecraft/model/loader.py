@@ -27,6 +27,7 @@ from cachecraft.errors import ModelLoadError
 from cachecraft.model.arch import ModelArch
 from cachecraft.model.linear import can_pack
 from cachecraft.model.llama import LlamaModel
+from cachecraft.model.shapes import random_state_dict, shape_config, shape_fingerprint, shape_name
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,8 @@ def load_model(
     device: str = "cpu",
     cache_dir: Path | None = None,
 ) -> LoadedModel:
-    """Load the model named by `spec` (None: the bundled SmolLM2-135M-Instruct)."""
+    """Load the model named by `spec` (None: the bundled SmolLM2-135M-Instruct; `shape:NAME`:
+    a model of that shape with random weights and the bundled tokenizer, model/shapes.py)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     try:
@@ -192,8 +194,33 @@ def load_model(
             "they are emulated, several times slower than float32 (the default)"
         )
     with torch_threads(1):  # no OpenMP workers left behind on this thread (cachecraft/env.py)
+        shape = shape_name(spec)
+        if shape is not None:
+            return _load_shape(shape, resolve_model_dir(None, cache_dir), dtype, where)
         directory = resolve_model_dir(spec, cache_dir)
         return _load(spec, directory, dtype, device)
+
+
+def _load_shape(name: str, tokenizer_dir: Path, dtype: str, device: torch.device) -> LoadedModel:
+    """A model of shape `name`, its weights drawn on `device` (nothing read or written)."""
+    from transformers import AutoTokenizer
+
+    hf_config = shape_config(name)
+    arch = ModelArch.from_hf_config(hf_config)
+    state = random_state_dict(hf_config, DTYPES[dtype], device)
+    model = LlamaModel(arch, hf_config, state, DTYPES[dtype], device)
+    del state
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    return LoadedModel(
+        name=f"{name} (random weights)",
+        source=tokenizer_dir,
+        arch=arch,
+        hf_config=hf_config,
+        model=model,
+        tokenizer=tokenizer,
+        chat_template=getattr(tokenizer, "chat_template", None),
+        fingerprint=shape_fingerprint(name),
+    )
 
 
 def _load(spec: str | None, directory: Path, dtype: str, device: str) -> LoadedModel:

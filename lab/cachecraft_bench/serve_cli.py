@@ -11,6 +11,7 @@ import json
 import math
 import sys
 
+from cachecraft.api import SHAPES
 from cachecraft.errors import CachecraftError
 from cachecraft_bench.own_server import server_process
 from cachecraft_bench.peer_vllm import PeerConfig
@@ -66,7 +67,12 @@ def add_bench_serve_parser(
         "serve", help="open-loop Poisson RAG trace per mode, rates ramped to saturation (vs vLLM)"
     )
     parser.add_argument("--json", action="store_true", help="print the result dict as JSON")
-    parser.add_argument("--peer", choices=PEERS, default=None, help="add a real peer as a mode")
+    parser.add_argument(
+        "--peer",
+        choices=("none", *PEERS),
+        default="none",
+        help="add a real peer as a mode (none: our modes alone, e.g. on a GPU host)",
+    )
     parser.add_argument(
         "--rates",
         type=_parse_rates,
@@ -184,6 +190,16 @@ def add_bench_serve_parser(
         choices=("float32", "bfloat16"),
         help="weights and compute of every system, vLLM included",
     )
+    parser.add_argument(
+        "--device", default="cpu", help="where our servers run (cpu, cuda); vLLM runs on a CPU"
+    )
+    parser.add_argument(
+        "--shape",
+        choices=SHAPES,
+        default=None,
+        help="our servers run a model of this shape with random weights (speed only: no "
+        "download, no peer; cachecraft/model/shapes.py)",
+    )
     parser.set_defaults(func=main_serve_bench, server_factory=server_factory)
     return parser
 
@@ -227,14 +243,24 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         raise CachecraftError(f"--client {args.client} pastes passages; {args.workload} has none")
     if args.repeats < 1 or args.requests < 1:
         raise CachecraftError("--repeats and --requests must be >= 1")
+    peer = None if args.peer == "none" else args.peer
+    if peer is not None and (args.shape or args.device != "cpu"):
+        raise CachecraftError("--shape and --device are for our servers alone: use --peer none")
     items = _items(args)
     # our servers in vLLM's dtype, with the environment tuning every system gets
     factory = functools.partial(args.server_factory, tuned=args.env_tuning == "ours")
+    extra: list[str] = []
     if args.dtype != "float32":
-        factory = functools.partial(factory, extra_args=("--dtype", args.dtype))
+        extra += ["--dtype", args.dtype]
+    if args.device != "cpu":
+        extra += ["--device", args.device]
+    if args.shape:
+        extra += ["--model", f"shape:{args.shape}"]
+    if extra:
+        factory = functools.partial(factory, extra_args=tuple(extra))
     result = run_serve_bench(
         factory,
-        peer=args.peer,
+        peer=peer,
         rates=args.rates,
         num_requests=args.requests,
         seed=args.seed,
