@@ -52,7 +52,12 @@ class EarlyTermination:
 class DeviationSelect:
     """CacheBlend: at the check layer keep, per reused chunk, the `budget` tokens whose fresh
     K/V deviate most from the cached ones; every other token of the chunk stops there. With
-    `weights` (cachecraft) the rank is the question's attention x the deviation's norm."""
+    `weights` (cachecraft) the rank is the question's attention x the deviation's norm.
+
+    `prepare(rows)` with the work's rows (host positions) works out before the forward every
+    choice but the ranking itself: which rows each span's top-k ranks, how many, the sinks kept
+    first. The check then runs on the device with no read-back and says how many rows it keeps
+    (`num_kept`). Without it (or seeing other rows than prepared) it works them out itself."""
 
     spans: tuple[tuple[int, int, int], ...]  # (start, end, budget)
     total: int | None = None
@@ -62,22 +67,46 @@ class DeviationSelect:
     sink: int = 0
     """The first `sink` positions of each span are kept first, whatever their deviation (they
     count in the budget or the total)."""
+    num_kept: int | None = None
+    """Rows the check keeps of the prepared rows (None: not prepared)."""
+    _rows: int = 0
+    _base: torch.Tensor | None = None  # bool [rows]: kept whatever the ranking
+    _picks: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (rows ranked, k)
+    _row_weights: torch.Tensor | None = None  # [rows] the weights at the rows' positions
 
-    def __call__(self, view: LayerView) -> torch.Tensor | None:
-        assert view.k_old is not None and view.v_old is not None
-        dk = (view.k_new - view.k_old).float().pow(2).sum((0, 2))  # [n]
-        dev = dk + (view.v_new - view.v_old).float().pow(2).sum((0, 2))
+    def prepare(self, rows: torch.Tensor, device: torch.device) -> None:
+        """Work out the check for rows (positions [n] ascending, on the host) that all reach
+        its layer; the tensors it needs go to `device` now."""
+        keep, in_spans, left, picks = self._choices(rows)
+        self._picks = []
+        for ranked, k in picks:
+            if k > 0 and ranked.numel():
+                self._picks.append((ranked.to(device), min(k, ranked.numel())))
+        if left is not None and left > 0:
+            ranked = torch.nonzero(in_spans).flatten()
+            if ranked.numel():
+                self._picks.append((ranked.to(device), min(left, ranked.numel())))
+        self._rows = rows.shape[0]
+        self._base = keep.to(device)
+        self.num_kept = int(keep.sum()) + sum(k for _, k in self._picks)
         if self.weights is not None:
-            dev = dev.sqrt() * self.weights.to(dev.device)[view.positions]
-        keep = torch.ones_like(view.positions, dtype=torch.bool)
+            self._row_weights = self.weights[rows].to(device)
+
+    def _choices(
+        self, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int | None, list[tuple[torch.Tensor, int]]]:
+        """(keep: rows kept whatever the ranking, in_spans: rows the global pick ranks, what
+        the global pick has left, per span (rows it ranks, how many it keeps))."""
+        keep = torch.ones_like(positions, dtype=torch.bool)
         in_spans = torch.zeros_like(keep)
         left = self.total  # the global pick's tokens still to give (None: per span)
+        picks: list[tuple[torch.Tensor, int]] = []
         for start, end, budget in self.spans:
-            rows = torch.nonzero(_in_span(view.positions, start, end)).flatten()
+            rows = torch.nonzero(_in_span(positions, start, end)).flatten()
             keep[rows] = False
             if self.sink > 0:  # rows ascend by position: a span's first tokens come first
                 room = max(budget if left is None else left, 0)
-                lifted = rows[view.positions[rows] < start + self.sink][:room]
+                lifted = rows[positions[rows] < start + self.sink][:room]
                 keep[lifted] = True
                 rows = rows[~keep[rows]]
                 if left is None:
@@ -85,12 +114,21 @@ class DeviationSelect:
                 else:
                     left -= lifted.numel()
             in_spans[rows] = True
-            if left is None and budget > 0 and rows.numel():
-                top = torch.topk(dev[rows], min(budget, rows.numel())).indices
-                keep[rows[top]] = True
-        if left is not None and left > 0:
-            rows = torch.nonzero(in_spans).flatten()
-            if rows.numel():
-                top = torch.topk(dev[rows], min(left, rows.numel())).indices
-                keep[rows[top]] = True
+            if left is None:
+                picks.append((rows, budget))
+        return keep, in_spans, left, picks
+
+    def __call__(self, view: LayerView) -> torch.Tensor | None:
+        assert view.k_old is not None and view.v_old is not None
+        dk = (view.k_new - view.k_old).float().pow(2).sum((0, 2))  # [n]
+        dev = dk + (view.v_new - view.v_old).float().pow(2).sum((0, 2))
+        if self._base is None or view.positions.shape[0] != self._rows:
+            self.prepare(view.positions.cpu(), view.positions.device)  # reads back: not prepared
+        assert self._base is not None
+        if self._row_weights is not None:
+            dev = dev.sqrt() * self._row_weights
+        keep = self._base.clone()
+        for ranked, k in self._picks:
+            top = torch.topk(dev[ranked], k).indices
+            keep[ranked[top]] = True
         return keep

@@ -122,17 +122,7 @@ def probe_work(
     if probe is None:
         raise ValueError("the plan has no probe")
     layout = plan.layout
-    p = layout.prefix_len
-    spans = [(0, p)]  # real positions of the probe's context, in order
-    where: list[tuple[int, int] | None] = []  # per chunk: its span in the probe's context
-    m = p
-    for cp in plan.chunks:
-        if cp.variant is None:
-            where.append(None)
-            continue
-        where.append((m, m + cp.slot.num_tokens))
-        spans.append((cp.slot.start, cp.slot.end))
-        m += cp.slot.num_tokens
+    spans, where, m = _context(plan)
     question = layout.question_ids
     q = len(question) if probe.question_rows is None else min(probe.question_rows, len(question))
     in_place = spans[-1][1] == m  # no computed chunk before a reused one: nothing moves
@@ -143,7 +133,7 @@ def probe_work(
     rows = list(range(m, m + q))
     ids = list(question[len(question) - q :])  # a trimmed probe: the question's last rows
     if not plan.prefix_hit:  # the prefix has no K/V yet: compute it in the probe as well
-        rows = list(range(p)) + rows
+        rows = list(range(layout.prefix_len)) + rows
         ids = list(layout.prefix_ids) + ids
     n = len(rows)
     top = model.arch.num_layers - 1
@@ -156,6 +146,33 @@ def probe_work(
         meter=KeyMeter(m, probe.first_layer, probe.last_layer, probe.last_row),
     )
     return Probe(work, where, None if in_place else context)
+
+
+def _context(
+    plan: RecomputePlan,
+) -> tuple[list[tuple[int, int]], list[tuple[int, int] | None], int]:
+    """(real spans of the probe's context in order, per chunk its span in that context (None:
+    not reused), the context's length)."""
+    p = plan.layout.prefix_len
+    spans = [(0, p)]
+    where: list[tuple[int, int] | None] = []
+    m = p
+    for cp in plan.chunks:
+        if cp.variant is None:
+            where.append(None)
+            continue
+        where.append((m, m + cp.slot.num_tokens))
+        spans.append((cp.slot.start, cp.slot.end))
+        m += cp.slot.num_tokens
+    return spans, where, m
+
+
+def runs_in_place(plan: RecomputePlan) -> bool:
+    """The plan's probe runs in the request's own cache (no computed chunk before a reused
+    one): its context needs no copy, so the reused K/V may be filled layer by layer as the
+    probe's forward reaches each layer."""
+    spans, _, m = _context(plan)
+    return spans[-1][1] == m
 
 
 def probe_attention(

@@ -23,8 +23,9 @@ from cachecraft.config import ReuseConfig
 from cachecraft.engine.hooks import DeviationSelect, EarlyTermination
 from cachecraft.engine.layer_loader import LayerLoader
 from cachecraft.engine.prefix_cache import PrefixCache
-from cachecraft.engine.probe import Probe, ScratchCaches, probe_work
+from cachecraft.engine.probe import Probe, ScratchCaches, probe_work, runs_in_place
 from cachecraft.engine.report import ChunkReport, RequestReport
+from cachecraft.engine.selection import select_on_device
 from cachecraft.engine.variants import make_variants
 from cachecraft.errors import BadRequestError, NonFiniteError
 from cachecraft.model.kv import KVCache
@@ -33,9 +34,10 @@ from cachecraft.model.step import Hook, SeqResult, SeqWork
 from cachecraft.request import RagRequest
 from cachecraft.reuse.layout import PromptLayout, build_layout
 from cachecraft.reuse.plan import ChunkPlan, RecomputePlan
-from cachecraft.reuse.planner import as_miss, plan_request, resolve_probe, without_prefix_hit
+from cachecraft.reuse.planner import as_miss, plan_request, without_prefix_hit
 from cachecraft.reuse.stats import stats_layers
 from cachecraft.reuse.strategy import ReuseStrategy
+from cachecraft.reuse.token_cache import TokenCache
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.codec import CorruptVariantError
 from cachecraft.store.meta import VariantMeta
@@ -117,6 +119,8 @@ class Runner:
         self.stats_layers = stats_layers(self.reuse.stats_stride, loaded.arch.num_layers)
         self.scratches = ScratchCaches()
         """Probes' scratch caches, kept between requests (engine/probe.py)."""
+        self.tokens = TokenCache()
+        """Token ids of the chunks and system prompts laid out before (any thread)."""
 
     # ---- planning -------------------------------------------------------------------------
     def plan(
@@ -150,7 +154,9 @@ class Runner:
             raise BadRequestError(
                 f"prompt: token {outside[0]} is not in the vocabulary (ids 0-{m.arch.vocab_size - 1})"
             )
-        return build_layout(request, m.tokenizer, m.fingerprint, m.arch.max_position_embeddings)
+        return build_layout(
+            request, m.tokenizer, m.fingerprint, m.arch.max_position_embeddings, self.tokens
+        )
 
     # ---- KV assembly ----------------------------------------------------------------------
     def start(
@@ -209,8 +215,15 @@ class Runner:
         if plan.is_resolved:
             return Spliced(plan, kv, loader, t0)
         try:
-            loader.fill_all()  # the probe reads every layer of the reused chunks up front
-            return Spliced(plan, kv, loader, t0, probe_work(m.model, kv, plan, self.scratches))
+            if runs_in_place(plan):
+                # the probe's forward fills each layer of the reused chunks as it reaches it
+                # (device work, and a disk tier's read-ahead overlaps the layer before)
+                probe = probe_work(m.model, kv, plan, self.scratches)
+                probe.work.before_layer = loader.fill_layer
+            else:  # the scratch copy reads every layer of the reused chunks up front
+                loader.fill_all()
+                probe = probe_work(m.model, kv, plan, self.scratches)
+            return Spliced(plan, kv, loader, t0, probe)
         except Exception:
             loader.close()
             raise
@@ -227,7 +240,8 @@ class Runner:
             if probe_result is None:
                 raise ValueError("the request's probe has not run")
             probe_rows = plan.num_probe_rows
-            plan = resolve_probe(plan, spliced.probe.scores(probe_result))
+            assert probe_result.key_mass is not None
+            plan = select_on_device(plan, spliced.probe.where, probe_result.key_mass)
             if spliced.probe.scratch is not None:  # it ran: its scratch is free again
                 self.scratches.give(spliced.probe.scratch)
                 spliced.probe.scratch = None
@@ -304,6 +318,7 @@ class Runner:
             if spans:
                 weights = self._deviation_weights(plan)
                 check = DeviationSelect(spans, plan.deviation.total, weights, plan.deviation.sink)
+                check.prepare(job.rows, job.kv.k.device)  # every row reaches it: no early exit
                 hooks[min(plan.deviation.layer, top)] = check
                 job.work.hooks_need_old = True
         job.work.hooks = hooks

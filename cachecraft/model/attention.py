@@ -116,13 +116,25 @@ class RowPlan:
     blocks: tuple[tuple[int, int, int, torch.Tensor | None], ...]
 
 
-def plan_rows(q_pos: torch.Tensor, window: int | None, dtype: torch.dtype) -> RowPlan:
-    """The RowPlan of sorted positions q_pos [n] (keys 0..q_pos[-1])."""
+def plan_rows(
+    q_pos: torch.Tensor,
+    window: int | None,
+    dtype: torch.dtype,
+    bounds: tuple[int | None, int] | None = None,
+) -> RowPlan:
+    """The RowPlan of sorted positions q_pos [n] (keys 0..q_pos[-1]). `bounds`: (first, last)
+    position known on the host (first None: not known; last may lie past q_pos[-1], keys up to
+    it are then masked), so that off a CPU the plan reads nothing back from the device; None:
+    read from q_pos."""
     n = q_pos.shape[0]
-    ctx = int(q_pos[-1]) + 1
+    if bounds is None:
+        first, last = int(q_pos[0]), int(q_pos[-1])
+    else:
+        first, last = bounds
+    ctx = last + 1
     pad = ctx - n
     causal = (window is None or ctx <= window) and (
-        pad == 0 or (int(q_pos[0]) == pad and pad * MAX_PAD_SHARE <= n)
+        pad == 0 or (first == pad and pad * MAX_PAD_SHARE <= n)
     )
     if causal:
         return RowPlan(q_pos, pad, True, ())
@@ -135,10 +147,13 @@ def plan_rows(q_pos: torch.Tensor, window: int | None, dtype: torch.dtype) -> Ro
     cuts = [round(i * n / num_blocks) for i in range(num_blocks + 1)]
     blocks = []
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-        end = int(q_pos[b - 1]) + 1  # keys past the block's last row are all masked
+        # keys past the block's last row are all masked; the last block's end is known (read
+        # back only on a CPU, where that is no synchronisation)
+        end = ctx if b == n else int(q_pos[b - 1]) + 1
         needs_window = window is not None and end > window
+        at_end = b < n or first is not None  # the block's last row sits at end - 1
         mask = None
-        if b - a > 1 or needs_window:  # one row at the last position needs none (decode)
+        if b - a > 1 or needs_window or not at_end:  # one row at the last position: none
             allowed = _mask(q_pos[a:b], end, window if needs_window else None)
             mask = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device)
             mask.masked_fill_(~allowed, float("-inf"))
@@ -305,15 +320,18 @@ def plan_meter(
     num_kv: int,
     meter_rows: torch.Tensor,
     last_row: float = 0.0,
+    counts: tuple[int, int] | None = None,
 ) -> MeterPlan:
     """The MeterPlan of sorted positions q_pos [n] (keys 0..q_pos[-1]) whose rows
     `meter_rows` (bool [n], at least one, the last row among them when last_row > 0) report
-    key mass: their mean weighs 1 - last_row, the last row alone last_row."""
+    key mass: their mean weighs 1 - last_row, the last row alone last_row. `counts`: (the
+    last position, the metered rows) known on the host (None: read back)."""
     group = num_heads // num_kv
-    allowed = _mask(q_pos, int(q_pos[-1]) + 1, window)
+    last, num_metered = (int(q_pos[-1]), int(meter_rows.sum())) if counts is None else counts
+    allowed = _mask(q_pos, last + 1, window)
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=q_pos.device)
     bias.masked_fill_(~allowed, float("-inf"))
-    weights = meter_rows.to(torch.float32) * (1.0 - last_row) / int(meter_rows.sum())
+    weights = meter_rows.to(torch.float32) * (1.0 - last_row) / num_metered
     weights[-1] += last_row
     weights /= num_heads
     return MeterPlan(bias.repeat(group, 1)[None], weights.repeat(group))

@@ -17,20 +17,13 @@ import torch.nn.functional as F
 
 from cachecraft.errors import ContextLengthError
 from cachecraft.model.arch import ModelArch
-from cachecraft.model.attention import (
-    MeterPlan,
-    RowPlan,
-    attention_key_mass,
-    causal_attention,
-    plan_meter,
-    plan_rows,
-    span_onehot,
-)
+from cachecraft.model.attention import attention_key_mass, causal_attention
 from cachecraft.model.decode import DecodePlan, attend_decode, plan_decode
 from cachecraft.model.linear import Linear, can_pack, packed_is_faster
 from cachecraft.model.mlp import Mlp
 from cachecraft.model.rope import Rope
 from cachecraft.model.row_kernel import load_row_kernel
+from cachecraft.model.rows import StepRows
 from cachecraft.model.step import DecodeBatch, LayerView, SeqResult, SeqWork, StepOutput
 
 PLAIN_COPY_MAX_BYTES = 1 << 30
@@ -88,96 +81,10 @@ def _linear_bytes(state_dict: dict[str, torch.Tensor], dtype: torch.dtype, tied:
     return size * sum(state_dict[n].numel() for n in names)
 
 
-def _may_stop(states: list[_Rows]) -> bool:
+def _may_stop(states: list[StepRows]) -> bool:
     """Can any row stop before the top layer (a per-row last layer, or a hook that may stop
     rows)?"""
     return any(s.work.last_layer is not None or s.work.hooks for s in states)
-
-
-class _Rows:
-    """Book-keeping of one sequence's active rows during a step, on the cache's device (a
-    SeqWork's index tensors may come from the host; the step's results go back to it)."""
-
-    def __init__(self, work: SeqWork, num_layers: int, num_spans: int, rope: Rope) -> None:
-        n = work.positions.shape[0]
-        device = work.kv.k.device
-        self.work = work
-        self.positions = work.positions.to(device)
-        self.cos, self.sin = rope.cos_sin(self.positions, work.kv.k.dtype)
-        self.index = torch.arange(n, device=device)  # original row numbers
-        top = num_layers - 1
-        self.last_layer = (
-            torch.full((n,), top, dtype=torch.long, device=device)
-            if work.last_layer is None
-            else work.last_layer.to(device, torch.long).clamp(max=top).clone()
-        )
-        self.final_last_layer = self.last_layer.clone()
-        self.attn_plan: RowPlan | None = None  # for the current `positions` (see `plan`)
-        self.meter_at: torch.Tensor | None = None  # the `positions` of meter_plan (`metered`)
-        self.meter_plan: MeterPlan | None = None
-        self.mass_layers: torch.Tensor | None = None
-        self.mass_rows: torch.Tensor | None = None
-        self.row_layers: torch.Tensor | None = None
-        self.key_total: torch.Tensor | None = None  # the KeyMeter's sum over its layers
-        self.key_layers = 0
-        if work.meter is not None and work.span_bounds is not None:
-            raise ValueError("a work measures span statistics or a key meter, not both")
-        if work.span_bounds is not None:
-            self.mass_layers = torch.zeros((num_layers, num_spans, num_spans), device=device)
-            self.mass_rows = torch.zeros((n, num_spans), device=device)
-            self.row_layers = torch.zeros(n, device=device)
-            bounds = work.span_bounds.to(device)
-            starts = bounds[:, 0].contiguous()
-            self.row_span = torch.bucketize(self.positions, starts, right=True) - 1
-            ctx = int(work.positions[-1]) + 1
-            self.onehot = span_onehot(bounds, ctx, work.kv.k.dtype)
-            self.stats_rows = (
-                torch.ones(n, dtype=torch.bool, device=device)
-                if work.stats_rows is None
-                else work.stats_rows.to(device, torch.bool).clone()
-            )
-            self.stats_at = (
-                frozenset(range(num_layers))
-                if work.stats_layers is None
-                else frozenset(work.stats_layers)
-            )
-
-    def plan(self, window: int | None, dtype: torch.dtype) -> RowPlan:
-        """The attention plan of the rows still computed: built on the first layer, again only
-        after rows stopped (`positions` is then a new tensor)."""
-        if self.attn_plan is None or self.attn_plan.q_pos is not self.positions:
-            self.attn_plan = plan_rows(self.positions, window, dtype)
-        return self.attn_plan
-
-    def metered(self, window: int | None, num_heads: int, num_kv: int) -> MeterPlan | None:
-        """The KeyMeter's plan for the rows still computed (None: none of them reports),
-        built as `plan` is: on the first metered layer, again only after rows stopped."""
-        meter = self.work.meter
-        assert meter is not None
-        if self.meter_at is not self.positions:
-            self.meter_at = self.positions
-            rows = self.positions >= meter.start
-            self.meter_plan = (
-                plan_meter(self.positions, window, num_heads, num_kv, rows, meter.last_row)
-                if bool(rows.any())
-                else None
-            )
-        return self.meter_plan
-
-    def add_key_mass(self, mass: torch.Tensor) -> None:
-        """One layer's KeyMeter measure [meter.start]."""
-        mass = mass.float()
-        self.key_total = mass if self.key_total is None else self.key_total + mass
-        self.key_layers += 1
-
-    def key_mass(self) -> torch.Tensor | None:
-        """The KeyMeter's mean over the layers it measured (zeros if none; None: no meter)."""
-        meter = self.work.meter
-        if meter is None:
-            return None
-        if self.key_total is None:
-            return torch.zeros(meter.start)
-        return self.key_total / self.key_layers
 
 
 def _put_rows(cache: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
@@ -286,7 +193,8 @@ class LlamaModel:
         arch = self.arch
         num_spans = [0 if w.span_bounds is None else w.span_bounds.shape[0] for w in works]
         states = [
-            _Rows(w, arch.num_layers, s, self.rope) for w, s in zip(works, num_spans, strict=True)
+            StepRows(w, arch.num_layers, s, self.rope)
+            for w, s in zip(works, num_spans, strict=True)
         ]
         for w in works:
             top = int(w.positions[-1]) + 1
@@ -353,35 +261,39 @@ class LlamaModel:
 
     @staticmethod
     def _tables(
-        states: list[_Rows], tables: list[tuple[torch.Tensor, torch.Tensor]]
+        states: list[StepRows], tables: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = torch.cat([s.cos for s in states] + [t[0] for t in tables])[:, None]
         sin = torch.cat([s.sin for s in states] + [t[1] for t in tables])[:, None]
         return cos, sin
 
     def _compact(
-        self, h: torch.Tensor, states: list[_Rows], layer_idx: int, num_decode: int
+        self, h: torch.Tensor, states: list[StepRows], layer_idx: int, num_decode: int
     ) -> torch.Tensor | None:
         """Drop rows whose last layer is below `layer_idx` (they keep their given K/V above);
         None when every row goes on. The `num_decode` decode rows (after the states' rows)
         always go on; the result is aligned again (`_aligned`)."""
         if not _may_stop(states):
             return None  # nothing can have stopped: skip the per-sequence checks
-        keeps = [s.last_layer >= layer_idx for s in states]
-        if all(bool(k.all()) for k in keeps):
+        parts: list[torch.Tensor] = []
+        start, changed = 0, False
+        for s in states:
+            n = s.num_rows
+            keep = s.compact(layer_idx)  # the host knows how many go on: no read-back
+            changed |= keep is not None
+            parts.append(
+                torch.arange(start, start + n, device=h.device) if keep is None else keep + start
+            )
+            start += n
+        if not changed:
             return None
-        for s, k in zip(states, keeps, strict=True):
-            s.positions, s.index, s.last_layer = s.positions[k], s.index[k], s.last_layer[k]
-            s.cos, s.sin = s.cos[k], s.sin[k]
-            if s.mass_rows is not None:
-                s.stats_rows = s.stats_rows[k]
-        keeps.append(torch.ones(num_decode, dtype=torch.bool, device=h.device))
-        return h[self._aligned(torch.nonzero(torch.cat(keeps)).flatten())]
+        parts.append(torch.arange(start, start + num_decode, device=h.device))
+        return h[self._aligned(torch.cat(parts))]
 
     def _layer(
         self,
         h: torch.Tensor,
-        states: list[_Rows],
+        states: list[StepRows],
         layer_idx: int,
         w: LayerWeights,
         cos: torch.Tensor,
@@ -427,7 +339,9 @@ class LlamaModel:
         x = _normalize(h, self.arch.rms_norm_eps)  # post_attention_layernorm's is in the MLP
         return w.mlp(x, h)
 
-    def _going_on(self, states: list[_Rows], layer_idx: int, num_rows: int) -> torch.Tensor | None:
+    def _going_on(
+        self, states: list[StepRows], layer_idx: int, num_rows: int
+    ) -> torch.Tensor | None:
         """Indexes into this layer's rows of those whose output of this layer is read: rows
         computed at the next layer, and at the top layer the rows logits are asked for (and
         every decode row, after the states' rows). None: all of them. A full prefill skips the
@@ -441,27 +355,28 @@ class LlamaModel:
         parts: list[torch.Tensor] = []
         start = 0
         for s in states:
-            n = s.positions.shape[0]
-            keep = s.last_layer > layer_idx if layer_idx < top else self._wants_logits(s)
-            parts.append(torch.nonzero(keep).flatten() + start)
+            n = s.num_rows
+            keep = s.going_on(layer_idx) if layer_idx < top else self._wants_logits(s)
+            parts.append(keep + start)
             start += n
         parts.append(torch.arange(start, num_rows, device=self.device))  # decode rows
         rows = torch.cat(parts)
         return None if rows.numel() == num_rows else rows
 
-    @staticmethod
-    def _wants_logits(s: _Rows) -> torch.Tensor:
-        """bool [rows still computed]: the rows of `s` whose logits its work asks for."""
-        mode = s.work.logits_for
+    def _wants_logits(self, s: StepRows) -> torch.Tensor:
+        """Indexes among the rows of `s` still computed of those whose logits its work asks
+        for. Rows ascend, so the work's last row, when still computed, is the last one (and
+        `_finish` fails a work whose asked-for rows stopped)."""
+        mode, n = s.work.logits_for, s.num_rows
         if mode == "all":
-            return torch.ones_like(s.index, dtype=torch.bool)
-        if mode == "last":
-            return s.index == s.work.positions.shape[0] - 1
-        return torch.zeros_like(s.index, dtype=torch.bool)
+            return torch.arange(n, device=self.device)
+        if mode == "last" and n:
+            return torch.arange(n - 1, n, device=self.device)
+        return torch.zeros(0, dtype=torch.long, device=self.device)
 
     def _attend(
         self,
-        s: _Rows,
+        s: StepRows,
         layer_idx: int,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -476,10 +391,11 @@ class LlamaModel:
         k_old = v_old = None
         if hook is not None and work.hooks_need_old:
             k_old, v_old = kv_k[:, pos].clone(), kv_v[:, pos].clone()
-        n, first, last = pos.shape[0], int(pos[0]), int(pos[-1])
-        if last - first + 1 == n:
-            kv_k[:, first : last + 1] = k.to(kv_k.dtype)
-            kv_v[:, first : last + 1] = v.to(kv_v.dtype)
+        last = s.last  # known on the host; after rows stopped an upper bound (masked past)
+        if s.is_contiguous:
+            assert s.first is not None
+            kv_k[:, s.first : last + 1] = k.to(kv_k.dtype)
+            kv_v[:, s.first : last + 1] = v.to(kv_v.dtype)
         else:
             _put_rows(kv_k, pos, k)
             _put_rows(kv_v, pos, v)
@@ -490,9 +406,7 @@ class LlamaModel:
             keys = keys.contiguous()
         values = kv_v[:, : last + 1].to(q.dtype)
         window = self.arch.sliding_window
-        wants_stats = (
-            work.span_bounds is not None and layer_idx in s.stats_at and bool(s.stats_rows.any())
-        )
+        wants_stats = work.span_bounds is not None and layer_idx in s.stats_at and s.has_stats_rows
         onehot = s.onehot if wants_stats else None
         meter = work.meter
         mplan = None
@@ -509,26 +423,15 @@ class LlamaModel:
             plan = None if kernel is not None else s.plan(window, q.dtype)
             _, mass = causal_attention(q, keys, values, pos, window, onehot, plan, out, kernel)
         if mass is not None:
-            sel = s.stats_rows
-            self._collect(s, s.index[sel], layer_idx, mass[sel].float())
+            s.collect(layer_idx, mass)
         if hook is not None:
             view = LayerView(layer_idx, pos, q, k, v, k_old, v_old, keys, window)
             keep = hook(view)
             if keep is not None:
-                stop = ~keep.to(torch.bool)
-                s.last_layer[stop] = layer_idx
-                s.final_last_layer[s.index[stop]] = layer_idx
-
-    @staticmethod
-    def _collect(s: _Rows, index: torch.Tensor, layer_idx: int, mass: torch.Tensor) -> None:
-        """Add one layer's mass [m, S] of the rows with original numbers `index` [m]."""
-        assert s.mass_layers is not None and s.mass_rows is not None and s.row_layers is not None
-        s.mass_layers[layer_idx].index_add_(0, s.row_span[index], mass)
-        s.mass_rows.index_add_(0, index, mass)
-        s.row_layers[index] += 1
+                s.stop(keep, layer_idx, getattr(hook, "num_kept", None))
 
     def _finish(
-        self, h: torch.Tensor, states: list[_Rows], dplan: DecodePlan | None, num_decode: int
+        self, h: torch.Tensor, states: list[StepRows], dplan: DecodePlan | None, num_decode: int
     ) -> StepOutput:
         """Logits of the rows each sequence asked for, and of the `num_decode` decode rows,
         through ONE lm_head product for all sequences (the head is the largest matrix:
@@ -572,10 +475,10 @@ class LlamaModel:
             row_mass = None
             if s.mass_rows is not None and s.row_layers is not None:
                 row_mass = s.mass_rows / s.row_layers.clamp(min=1)[:, None]
-            found = (s.final_last_layer, s.mass_layers, row_mass, s.key_mass())
+            found = (s.final_last_layer, s.mass_layers, row_mass)
             last, *stats = (None if t is None else t.cpu() for t in found)
             assert last is not None
-            results.append(SeqResult(seq_logits, last, *stats))
+            results.append(SeqResult(seq_logits, last, *stats, s.key_mass()))
         decode_logits = None
         if dplan is not None:
             decode_logits = logits[-1]

@@ -97,8 +97,10 @@ class SeqResult:
     span_mass_layers [L, S, S]: row-summed mass from each span's computed rows to each span.
     row_span_mass [n, S]: per row, mass per span averaged over the measured layers it was
     computed at.
-    key_mass [meter.start]: what the work's KeyMeter measured (None without one).
-    All on the host (the CPU), whatever the model's device: sampling and planning read them.
+    key_mass [meter.start]: what the work's KeyMeter measured (None without one), left on the
+    model's device: the probe's selection ranks it there (engine/selection.py).
+    The others on the host (the CPU), whatever the model's device: sampling and planning read
+    them.
     """
 
     logits: torch.Tensor

@@ -12,12 +12,14 @@ is all question, its leading blocks lent to chunk slots as a long question's are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from cachecraft.errors import ContextLengthError
 from cachecraft.request import RagRequest
 from cachecraft.reuse.keys import chunk_key, prefix_key
 from cachecraft.reuse.plan import ChunkSlot, PromptLayout
+from cachecraft.reuse.token_cache import TokenCache
 
 SENTINEL = "\x00CACHECRAFT\x00"
 CHUNK_SEPARATOR = "\n\n"
@@ -82,6 +84,20 @@ def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _known_encoder(
+    tokenizer: Any, fingerprint: str, tokens: TokenCache | None
+) -> Callable[[str], tuple[int, ...]]:
+    """`_encode` through `tokens` (texts that recur: chunks, system prompts; a question is
+    new in every request and is tokenized as it comes)."""
+
+    def encode(text: str) -> tuple[int, ...]:
+        return _encode(tokenizer, text)
+
+    if tokens is None:
+        return encode
+    return lambda text: tokens.get(fingerprint, text, encode)
+
+
 def _blocks(num_tokens: int) -> list[tuple[int, int]]:
     """The leading QUESTION_BLOCK-token blocks a question of `num_tokens` tokens lends."""
     out: list[tuple[int, int]] = []
@@ -110,23 +126,32 @@ def _raw_layout(request: RagRequest, tokenizer: Any, fingerprint: str) -> Prompt
 
 
 def build_layout(
-    request: RagRequest, tokenizer: Any, fingerprint: str, max_tokens: int | None = None
+    request: RagRequest,
+    tokenizer: Any,
+    fingerprint: str,
+    max_tokens: int | None = None,
+    tokens: TokenCache | None = None,
 ) -> PromptLayout:
-    """The request's prompt layout with chunk and prefix keys; checks the context length."""
+    """The request's prompt layout with chunk and prefix keys; checks the context length.
+    `tokens`: where the ids of chunks and system prompts tokenized before are kept (keyed by
+    `fingerprint`, the model's: one tokenizer per fingerprint); None: tokenize everything."""
     layout = (
         _raw_layout(request, tokenizer, fingerprint)
         if request.raw
-        else _chat_layout(request, tokenizer, fingerprint)
+        else _chat_layout(request, tokenizer, fingerprint, tokens)
     )
     if max_tokens is not None and layout.num_tokens > max_tokens:
         raise ContextLengthError(layout.num_tokens, max_tokens)
     return layout
 
 
-def _chat_layout(request: RagRequest, tokenizer: Any, fingerprint: str) -> PromptLayout:
+def _chat_layout(
+    request: RagRequest, tokenizer: Any, fingerprint: str, tokens: TokenCache | None
+) -> PromptLayout:
     """[system prompt and template head][chunks][question and template tail]."""
     parts = template_parts(tokenizer, request.system, bool(request.system_chunks))
-    prefix_ids = _encode(tokenizer, parts.head)
+    known = _known_encoder(tokenizer, fingerprint, tokens)
+    prefix_ids = known(parts.head)
     slots: list[ChunkSlot] = []
 
     def add(ids: tuple[int, ...], label: str | None) -> None:
@@ -135,9 +160,9 @@ def _chat_layout(request: RagRequest, tokenizer: Any, fingerprint: str) -> Promp
         slots.append(ChunkSlot(key=key, label=label, token_ids=ids, start=start))
 
     for chunk in request.system_chunks:
-        add(_encode(tokenizer, chunk.text + CHUNK_SEPARATOR), chunk.id)
+        add(known(chunk.text + CHUNK_SEPARATOR), chunk.id)
     if parts.middle:
-        add(_encode(tokenizer, parts.middle), SYSTEM_END)
+        add(known(parts.middle), SYSTEM_END)
 
     def lend(ids: tuple[int, ...], label: str) -> int:
         """Slots for the leading blocks of a question's `ids`; how many tokens they took."""
@@ -152,7 +177,7 @@ def _chat_layout(request: RagRequest, tokenizer: Any, fingerprint: str) -> Promp
             cut = lend(ids, chunk.id or "chunk")
             add(ids[cut:], f"{chunk.id or 'chunk'}[{cut}:]")
         else:
-            add(_encode(tokenizer, chunk.text + CHUNK_SEPARATOR), chunk.id)
+            add(known(chunk.text + CHUNK_SEPARATOR), chunk.id)
     question_ids = _encode(tokenizer, question_text(request.question) + parts.tail)
     question_ids = question_ids[lend(question_ids, "question") :]
     return PromptLayout(
