@@ -120,3 +120,56 @@ def test_a_server_on_cuda_reuses_chunks_from_its_gpu_memory_tier(
         first, second = ask(url, [DOC]), ask(url, [DOC])
         assert _hits(first) == [False] and _hits(second) == [True]
         assert _text(first) == _text(second) == _text(full)
+
+
+def test_a_cachecraft_hit_on_cuda_never_synchronises_inside_the_layer_loop(
+    tiny_dir: Path,
+) -> None:
+    """tests/test_host_sync.py's contract under CUDA's own check: while a layer runs, any
+    synchronising call (a read back, `nonzero`, a blocking copy) raises. The chunk-caches sit
+    in the GPU's memory tier, as `cachecraft serve --device cuda` keeps them. The same rows and
+    first token as the same request unguarded."""
+    from cachecraft.config import ReuseConfig
+    from cachecraft.engine.sampling import SamplingParams
+    from cachecraft.request import Chunk, RagRequest
+    from cachecraft.store.config import StoreConfig
+
+    def answers(guarded: bool) -> tuple[list[list[int]], list[list[int]]]:
+        store = StoreConfig(memory_bytes=1 << 30, device="cuda", storage_dtype="float32")
+        llm = LLM(
+            str(tiny_dir), device="cuda", store=store, config=ReuseConfig(probe_check_layer=1)
+        )
+        m = llm.loaded
+        words = ["river", "harbor", "tower", "garden", "castle", "meadow"]
+        chunks = [
+            Chunk(" ".join(f"{words[(i + j) % 6]}{j % 7}" for j in range(48)), id=f"c{i}")
+            for i in range(4)
+        ]
+        four = SamplingParams(max_tokens=4)
+        llm.generate(RagRequest("Which passage names a tower?", chunks), four, "cachecraft")
+        model = m.model
+        if guarded:
+            for name in ("_layer", "_compact"):
+                inner = getattr(model, name)
+
+                def run(*args, _inner=inner, **kwargs):  # type: ignore[no-untyped-def]
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        return _inner(*args, **kwargs)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+
+                setattr(model, name, run)
+        try:
+            # one token: the prefill's loop (decode steps are not held to it here)
+            one = SamplingParams(max_tokens=1)
+            outs = llm.generate(RagRequest("Where is the castle?", chunks[::-1]), one, "cachecraft")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            for name in ("_layer", "_compact"):
+                vars(model).pop(name, None)
+        out = outs[0]
+        assert all(c.is_hit for c in out.report.chunks) and out.report.probe_tokens > 0
+        return [[c.tokens_recomputed for c in out.report.chunks]], [out.token_ids]
+
+    assert answers(guarded=True) == answers(guarded=False)

@@ -71,26 +71,21 @@ def select_on_device(
     take = wide if checked else counts
     picked = _top_per_chunk(scores, chunk_of, starts, take, device)  # bool [T]
     power = probe.check_power if probe.check_score == "product" else 0.0
-    flat = torch.nonzero(picked).flatten()
+    flat = torch.nonzero(picked).flatten()  # ascending: chunk by chunk, offsets in order
     values = None
     if checked:
         w = torch.tensor(weight, dtype=f64, device=device)[chunk_of[flat]]
-        values = (w * scores[flat]) ** power
-    # the one transfer: picked tokens (and their check weights) to the host
-    flat_host = flat.tolist()
-    values_host = None if values is None else values.tolist()
-    bounds = [0]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    offsets: list[list[int]] = [[] for _ in idx]
-    per_weights: list[list[float]] = [[] for _ in idx]
-    k = 0
-    for j, t in enumerate(flat_host):
-        while t >= bounds[k + 1]:
-            k += 1
-        offsets[k].append(t - bounds[k])
-        if values_host is not None:
-            per_weights[k].append(values_host[j])
+        values = ((w * scores[flat]) ** power).tolist()
+    # the one transfer of the picks to the host, then cut per chunk (no loop over tokens)
+    per_chunk = torch.bincount(chunk_of[flat], minlength=num).tolist()
+    offsets_host = (flat - starts[chunk_of[flat]]).tolist()
+    offsets: list[list[int]] = []
+    per_weights: list[list[float]] = []
+    at = 0
+    for count in per_chunk:
+        offsets.append(offsets_host[at : at + count])
+        per_weights.append([] if values is None else values[at : at + count])
+        at += count
     return _resolved(plan, idx, offsets, counts, per_weights if checked else None)
 
 
