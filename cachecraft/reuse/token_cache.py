@@ -1,8 +1,8 @@
 """TokenCache: token ids of texts tokenized before, so a known chunk is never tokenized again.
 
 A chunk is tokenized on its own (reuse/layout.py), so its ids depend only on its text and the
-tokenizer: a RAG workload sends the same passages over and over, and tokenizing five
-1,000-token passages again took ~14 ms of every request's time to first token on a GPU host.
+tokenizer: a RAG workload sends the same passages over and over, and tokenizing them again is
+host time on every request's path to its first token, which a GPU cannot hide.
 Entries are keyed by (tokenizer fingerprint, text), bounded by the tokens they hold and
 evicted least recently used. Thread-safe: requests are laid out on the server's threads and
 the engine's.
@@ -15,8 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 DEFAULT_MAX_TOKENS = 1 << 21
-"""Token ids kept at most (about 2M: some 400 RAG requests' worth of distinct 1,000-token
-passages, tens of MiB as Python tuples)."""
+"""Token ids kept at most: about 2,000 distinct 1,000-token passages, tens of MiB as Python
+tuples (a bound in tokens, not entries, so long passages cannot grow it past that)."""
 
 
 class TokenCache:
