@@ -383,6 +383,8 @@ def test_cli_parses_and_prints_json(fake_url: str, capsys: pytest.CaptureFixture
     add_bench_serve_parser(parser.add_subparsers(dest="bench"), start)
     args = parser.parse_args(["serve", "--json", "--rates", "20,40", "--requests", "2"])
     assert (args.rates, args.requests, args.peer, args.json) == ([20.0, 40.0], 2, None, True)
+    gpu = parser.parse_args(["serve", "--peer", "none", "--device", "cuda", "--shape", "llama-1b"])
+    assert (gpu.peer, gpu.device, gpu.shape) == ("none", "cuda", "llama-1b")
     for bad in ("fast", "-1", "0.1,0", "nan"):  # refused before any workload is built
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--rates", bad])

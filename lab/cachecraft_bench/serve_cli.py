@@ -70,7 +70,7 @@ def add_bench_serve_parser(
     parser.add_argument(
         "--peer",
         choices=("none", *PEERS),
-        default="none",
+        default=None,
         help="add a real peer as a mode (none: our modes alone, e.g. on a GPU host)",
     )
     parser.add_argument(
@@ -243,7 +243,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         raise CachecraftError(f"--client {args.client} pastes passages; {args.workload} has none")
     if args.repeats < 1 or args.requests < 1:
         raise CachecraftError("--repeats and --requests must be >= 1")
-    peer = None if args.peer == "none" else args.peer
+    peer = None if args.peer in (None, "none") else args.peer
     if peer is not None and (args.shape or args.device != "cpu"):
         raise CachecraftError("--shape and --device are for our servers alone: use --peer none")
     items = _items(args)
