@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from cachecraft.config import ReuseConfig
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.llm import LLM
 from cachecraft.model.loader import LoadedModel
@@ -110,12 +109,12 @@ def _texts(m: LoadedModel, n: int, tokens: int) -> list[str]:
 
 
 def _answers(
-    m: LoadedModel, reuse: ReuseConfig, guarded: bool
+    m: LoadedModel, reuse: dict[str, Any], guarded: bool
 ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
     """Rows computed per chunk, tokens and first-token logits of two cachecraft hits (their
     chunks cached in another order), the layer loop guarded or not."""
     chunks = [Chunk(t, id=f"c{i}") for i, t in enumerate(_texts(m, 4, 48))]
-    llm = LLM(m, store=memory_config(1 << 30), config=reuse)
+    llm = LLM(m, store=memory_config(1 << 30), **reuse)  # the cachecraft strategy's settings
     four = SamplingParams(max_tokens=4)
     llm.generate(RagRequest("Which passage names a tower?", chunks), four, "cachecraft")
     hits = [
@@ -137,14 +136,14 @@ def _answers(
 @pytest.mark.parametrize(
     "reuse",
     [
-        ReuseConfig(probe_check_layer=1),  # rows stop after layer 1 of 4: compaction runs
-        ReuseConfig(probe_check_layer=1, probe_depth=0.5, probe_split="need"),  # probe stops
-        ReuseConfig(),
+        {"probe_check_layer": 1},  # rows stop after layer 1 of 4: compaction runs
+        {"probe_check_layer": 1, "probe_depth": 0.5, "probe_split": "need"},  # probe stops
+        {},
     ],
     ids=["check-layer-1", "shallow-probe", "default"],
 )
 def test_a_cachecraft_hit_reads_nothing_back_inside_the_layer_loop(
-    tiny: LoadedModel, reuse: ReuseConfig
+    tiny: LoadedModel, reuse: dict[str, Any]
 ) -> None:
     rows, tokens, logits = _answers(tiny, reuse, guarded=False)
     got_rows, got_tokens, got_logits = _answers(tiny, reuse, guarded=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from plan_helpers import make_layout
 
 from cachecraft.config import ReuseConfig
 from cachecraft.engine.selection import select_on_device
+from cachecraft.llm import split_settings
+from cachecraft.reuse.cachecraft import CachecraftStrategy
 from cachecraft.reuse.plan import DeviationCheck, RecomputePlan
 from cachecraft.reuse.planner import plan_request
 from cachecraft.reuse.selectors import select_by_question
@@ -39,13 +42,15 @@ def _variant(key: str, size: int, rng: random.Random) -> VariantMeta:
     )
 
 
-def _case(seed: int, config: ReuseConfig) -> tuple[RecomputePlan, list, torch.Tensor]:
+def _case(seed: int, settings: dict[str, Any]) -> tuple[RecomputePlan, list, torch.Tensor]:
     """A plan with a probe over five chunks (some hit), the probe's key mass and spans."""
     rng = random.Random(seed)
     sizes = {k: rng.randint(3, 40) for k in KEYS}
     layout = make_layout(KEYS, sizes, "P")
     hits = {k: [_variant(k, sizes[k], rng)] for k in KEYS if rng.random() < 0.8}
-    plan = plan_request(layout, hits, "cachecraft", config, 30, None)
+    reuse, params, _ = split_settings(settings, CachecraftStrategy())
+    strategy = CachecraftStrategy().with_params(**params)
+    plan = plan_request(layout, hits, strategy, ReuseConfig(**reuse), 30, None)
     where, m = [], 3
     for cp in plan.chunks:
         if cp.variant is None:
@@ -58,14 +63,14 @@ def _case(seed: int, config: ReuseConfig) -> tuple[RecomputePlan, list, torch.Te
     return plan, where, mass.float()
 
 
-CONFIGS = {
-    "default": ReuseConfig(),
-    "need": ReuseConfig(probe_split="need", focus_threshold=0.1),
-    "chunk": ReuseConfig(probe_split="chunk"),
-    "no-check": ReuseConfig(probe_check=0.0),
-    "no-sink": ReuseConfig(probe_sink=0, probe_check_power=1.0),
-    "blend": ReuseConfig(probe_blend=0.5, probe_check_score="deviation"),
-    "need-no-check": ReuseConfig(probe_split="need", probe_check=0.0, focus_threshold=0.0),
+CONFIGS: dict[str, dict[str, Any]] = {  # ReuseConfig fields and the cachecraft strategy's
+    "default": {},
+    "need": {"probe_split": "need", "focus_threshold": 0.1},
+    "chunk": {"probe_split": "chunk"},
+    "no-check": {"probe_check": 0.0},
+    "no-sink": {"probe_sink": 0, "probe_check_power": 1.0},
+    "blend": {"probe_blend": 0.5, "probe_check_score": "deviation"},
+    "need-no-check": {"probe_split": "need", "probe_check": 0.0, "focus_threshold": 0.0},
 }
 
 
@@ -96,9 +101,7 @@ def test_device_selection_equals_the_reference(name: str) -> None:
 
 
 def test_device_selection_checks_its_input() -> None:
-    plan, where, mass = next(
-        c for c in (_case(s, ReuseConfig()) for s in range(40)) if c[0].probe is not None
-    )
+    plan, where, mass = next(c for c in (_case(s, {}) for s in range(40)) if c[0].probe is not None)
     with pytest.raises(ValueError, match="entries"):
         select_on_device(plan, where[:-1], mass)
     hit = next(i for i, w in enumerate(where) if w is not None)
