@@ -11,7 +11,7 @@ import torch
 
 from cachecraft.model.kv import KVCache
 from cachecraft.model.rope import Rope
-from cachecraft.store.layers import LayerReader, all_layers
+from cachecraft.store.layers import LayerReader, TensorLayerReader, all_layers
 
 
 class LayerLoader:
@@ -23,6 +23,12 @@ class LayerLoader:
     @property
     def num_readers(self) -> int:
         return len(self._spans)
+
+    @property
+    def reads_only_memory(self) -> bool:
+        """Every chunk is already in memory: filling a layer reads no file, so it cannot fail
+        a checksum halfway through a forward that other requests share."""
+        return all(isinstance(span[0], TensorLayerReader) for span in self._spans)
 
     def add(self, reader: LayerReader, start: int, end: int) -> None:
         """Place `reader`'s chunk at positions start..end-1."""

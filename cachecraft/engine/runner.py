@@ -215,12 +215,13 @@ class Runner:
         if plan.is_resolved:
             return Spliced(plan, kv, loader, t0)
         try:
-            if runs_in_place(plan):
-                # the probe's forward fills each layer of the reused chunks as it reaches it
-                # (device work, and a disk tier's read-ahead overlaps the layer before)
+            if runs_in_place(plan) and loader.reads_only_memory:
+                # the probe's forward fills each layer of the reused chunks as it reaches it;
+                # a chunk read from a file is read up front instead, where a corrupt one
+                # still becomes a miss before any forward (`_splice`'s retry)
                 probe = probe_work(m.model, kv, plan, self.scratches)
                 probe.work.before_layer = loader.fill_layer
-            else:  # the scratch copy reads every layer of the reused chunks up front
+            else:  # every layer of the reused chunks up front (a scratch copy needs them too)
                 loader.fill_all()
                 probe = probe_work(m.model, kv, plan, self.scratches)
             return Spliced(plan, kv, loader, t0, probe)
