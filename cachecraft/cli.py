@@ -1,4 +1,4 @@
-"""`cachecraft` command line: ask, serve, chunks; plus whatever an installed plugin adds
+"""`cachecraft` command line: ask, serve, chunks, models; plus whatever an installed plugin adds
 (the lab, `cachecraft_bench`, adds `bench` and `calibrate` through the `cachecraft.commands`
 entry point group).
 
@@ -25,6 +25,7 @@ tune_allocator()
 from cachecraft.config_file import add_reuse_flags, reuse_overrides  # noqa: E402
 from cachecraft.errors import CachecraftError  # noqa: E402
 from cachecraft.logs import setup_logging  # noqa: E402
+from cachecraft.model.cli import add_models_parser  # noqa: E402
 from cachecraft.reuse.strategies import DEFAULT_STRATEGY, STRATEGIES  # noqa: E402
 from cachecraft.server.cli import add_serve_parser  # noqa: E402
 from cachecraft.store.cli import add_chunks_parser  # noqa: E402
@@ -87,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--question", required=True)
     ask.add_argument("--system", default=None, help="system prompt")
     ask.add_argument("--mode", choices=STRATEGIES.names(), default=DEFAULT_STRATEGY)
-    ask.add_argument("--model", default=None, help="HF dir or .gguf (default: bundled)")
+    ask.add_argument(
+        "--model", default=None, help="HF dir, .gguf or a named model (default: bundled)"
+    )
     ask.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--cache-dir", default=None, help="keep chunk-caches on disk here")
@@ -98,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_reuse_flags(ask)
     ask.set_defaults(func=_ask)
 
-    for add in (add_serve_parser, add_chunks_parser):
+    for add in (add_serve_parser, add_chunks_parser, add_models_parser):
         add(sub)
     for plugin in entry_points(group=PLUGIN_GROUP):
         plugin.load()(sub)

@@ -1,4 +1,5 @@
-"""Find and load a model: the bundled SmolLM2 GGUF, an HF safetensors directory or a GGUF file.
+"""Find and load a model: the bundled SmolLM2 GGUF, a named model (model/named.py), an HF
+safetensors directory or a GGUF file.
 
 A GGUF file is dequantized once (transformers' GGUF reader, names mapped through a weightless
 model: no `accelerate`) and kept as a plain HF directory under the conversion cache (that also
@@ -27,6 +28,7 @@ from cachecraft.errors import ModelLoadError
 from cachecraft.model.arch import ModelArch
 from cachecraft.model.linear import can_pack
 from cachecraft.model.llama import LlamaModel
+from cachecraft.model.named import named_model, require_pulled
 from cachecraft.model.shapes import random_state_dict, shape_config, shape_fingerprint, shape_name
 
 log = logging.getLogger(__name__)
@@ -147,9 +149,12 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
 
 
 def resolve_model_dir(spec: str | None, cache_dir: Path | None = None) -> Path:
-    """An HF directory for `spec`: None (bundled), a directory, or a .gguf file."""
+    """An HF directory for `spec`: None (bundled), a named model that was pulled, a
+    directory, or a .gguf file."""
     if spec is None:
         return convert_gguf(bundled_gguf(), cache_dir)
+    if named_model(spec) is not None:
+        return convert_gguf(require_pulled(spec, cache_dir), cache_dir)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
@@ -243,7 +248,7 @@ def _load(spec: str | None, directory: Path, dtype: str, device: str) -> LoadedM
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the tokenizer in {directory}: {e}") from None
-    name = BUNDLED_NAME if spec is None else directory.name
+    name = BUNDLED_NAME if spec is None else spec if named_model(spec) else directory.name
     return LoadedModel(
         name=name,
         source=directory,
