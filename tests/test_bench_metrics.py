@@ -10,6 +10,7 @@ import torch
 
 from cachecraft_bench.metrics import (
     bootstrap_ci,
+    contains_answer,
     exact_match,
     jaccard,
     kl_divergence,
@@ -40,6 +41,15 @@ def test_token_f1_partial_overlap_by_hand():
 def test_exact_match_normalises():
     assert exact_match("The Beatles!", ["beatles"]) == 1.0
     assert exact_match("Beatles band", "The Beatles") == 0.0
+
+
+def test_contains_answer_whole_words_after_normalising():
+    answer = "The lighthouse was designed by Meljor Lumra, and it opened in 1933."
+    assert contains_answer(answer, ["meljor lumra"]) == 1.0
+    assert contains_answer(answer, ["Tasvik", "1933"]) == 1.0  # any gold answer
+    assert contains_answer(answer, ["Lum"]) == 0.0  # part of a word is not the answer
+    assert contains_answer(answer, ["Tasvik"]) == 0.0
+    assert contains_answer(answer, [""]) == 0.0  # an empty gold is never contained
 
 
 def test_jaccard():

@@ -111,3 +111,24 @@ def test_merge_refuses_shards_of_different_configurations() -> None:
         merge_results([a, b], ["a.json", "b.json"])
     assert "reuse.alpha: 0.5 in a.json, 0.7 in b.json" in str(err.value)
     assert "max_tokens: 8 in a.json, 128 in b.json" in str(err.value)
+
+
+def test_answers_vs_gold_are_paired_with_full() -> None:
+    def recs(f1: list[float]) -> list[dict]:
+        return [
+            {"id": f"r{i}", "tf_kl": 0.1, "f1": v, "em": float(v == 1), "contains": float(v > 0)}
+            for i, v in enumerate(f1)
+        ]
+
+    requests = {
+        "full": recs([1.0, 0.5, 0.0, 1.0]),
+        "naive": recs([0.0, 0.5, 0.0, 0.5]),
+        "cachecraft": recs([1.0, 0.5, 0.0, 1.0]),
+    }
+    vs_full = paired_summary(requests)["vs_full"]
+    assert set(vs_full) == {"naive", "cachecraft"}
+    assert vs_full["naive"]["f1"]["mean"] == pytest.approx(-1.5 / 4)
+    assert vs_full["naive"]["em"]["mean"] == pytest.approx(-2 / 4)
+    assert vs_full["cachecraft"]["contains"]["mean"] == 0.0
+    no_gold = {k: [{**r, "f1": None} for r in v] for k, v in requests.items()}
+    assert paired_summary(no_gold)["vs_full"] == {}

@@ -1,4 +1,4 @@
-"""Quality and summary metrics: SQuAD-style F1/EM, ROUGE-L, KL from logits, bootstrap CIs.
+"""Quality and summary metrics: SQuAD-style F1/EM, gold contained in the answer, ROUGE-L, KL from logits, bootstrap CIs.
 
 Pure functions over strings and arrays; no model, no I/O.
 """
@@ -50,6 +50,13 @@ def exact_match(pred: str, golds: str | Iterable[str]) -> float:
     """1.0 when `pred` equals one gold answer after normalisation, else 0.0."""
     norm = normalize_answer(pred)
     return float(any(norm == normalize_answer(g) for g in _golds(golds)))
+
+
+def contains_answer(pred: str, golds: str | Iterable[str]) -> float:
+    """1.0 when a gold answer, normalised, appears in the normalised `pred` as whole words (a
+    chat model answers in sentences: F1 and EM punish the words around a right answer)."""
+    text = f" {normalize_answer(pred)} "
+    return float(any((g := normalize_answer(gold)) and f" {g} " in text for gold in _golds(golds)))
 
 
 def jaccard(pred: str, ref: str) -> float:

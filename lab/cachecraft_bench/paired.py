@@ -23,6 +23,10 @@ PAIRED_METRICS: tuple[str, ...] = (
 )  # fmt: skip
 """Per-request metrics whose paired differences are reported (arm minus reference)."""
 
+GOLD_METRICS: tuple[str, ...] = ("f1", "em", "contains")
+"""Scores against the gold answers, also paired with `full` (how much an arm loses of what the
+full prefill answers right)."""
+
 Records = Sequence[Mapping[str, Any]]
 
 
@@ -70,8 +74,10 @@ def kl_removed(
 def paired_summary(
     requests: Mapping[str, Records], ref: str = "cachecraft", naive: str = "naive"
 ) -> dict[str, Any]:
-    """{"reference": ref, "arms": {arm: {metric: paired_difference}}, "kl_removed": {arm: ...}}
-    for every arm but `full` and the reference; empty when the reference was not run."""
+    """{"reference": ref, "arms": {arm: {metric: paired_difference}}, "kl_removed": {arm: ...},
+    "vs_full": {arm: {gold metric: paired_difference with full}}} for every arm but `full`
+    and the reference (vs_full: every arm but full, when the requests have gold answers);
+    empty when the reference was not run."""
     if ref not in requests:
         return {}
     others = [name for name in requests if name not in ("full", ref)]
@@ -86,4 +92,11 @@ def paired_summary(
             for name in requests
             if name not in ("full", naive)
         }
-    return {"reference": ref, "arms": arms, "kl_removed": removed}
+    vs_full = {}
+    if "full" in requests and any(r.get("f1") is not None for r in requests["full"]):
+        vs_full = {
+            name: {k: paired_difference(requests[name], requests["full"], k) for k in GOLD_METRICS}
+            for name in requests
+            if name != "full"
+        }
+    return {"reference": ref, "arms": arms, "kl_removed": removed, "vs_full": vs_full}

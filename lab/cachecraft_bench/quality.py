@@ -37,7 +37,13 @@ from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
 from cachecraft_bench.flops import ModelShape, flops_fraction
 from cachecraft_bench.item import WorkloadItem
-from cachecraft_bench.metrics import exact_match, kl_divergence, rouge_l, token_f1
+from cachecraft_bench.metrics import (
+    contains_answer,
+    exact_match,
+    kl_divergence,
+    rouge_l,
+    token_f1,
+)
 from cachecraft_bench.modes import LAB_MODES
 from cachecraft_bench.quality_summary import summarize_results
 from cachecraft_bench.strategies import arm_settings
@@ -264,6 +270,7 @@ def _compare(item: WorkloadItem, ref: Answer, got: Answer, shape: ModelShape) ->
         "tf_agreement": float(agree.float().mean()),
         "f1": token_f1(got.text, item.answers) if item.answers else None,
         "em": exact_match(got.text, item.answers) if item.answers else None,
+        "contains": contains_answer(got.text, item.answers) if item.answers else None,
         "chunks": [
             {"reason": c.reason, "tokens": c.num_tokens, "recomputed": c.tokens_recomputed}
             for c in chunks

@@ -25,6 +25,7 @@ MEAN_METRICS: tuple[str, ...] = (
     "tf_agreement",
     "f1",
     "em",
+    "contains",
     "chunk_hit_rate",
 )
 """Per-request numbers summarised by their mean with a bootstrap 95% CI."""
@@ -39,6 +40,7 @@ FLAT_KEYS: dict[str, str] = {
     "tf_agreement_vs_full": "tf_agreement",
     "f1_vs_gold": "f1",
     "em_vs_gold": "em",
+    "contains_vs_gold": "contains",
     "flops_fraction": "flops_fraction",
     "ttft_ms_p95": "ttft_p95_ms",
     "chunk_hit_rate": "chunk_hit_rate",

@@ -6,11 +6,12 @@ Schema of `results` (every metric may be missing or None; a sweep may be empty):
      "workloads": {name: {
          "modes": {mode: {metric: {"mean": float, "ci95": [lo, hi], "n": int} | float | None}},
          "sweep": {mode: [{"param": x, "computed_fraction": f, "tf_kl": f, "rouge_l": f}, ...]},
-         "paired": {"reference": arm, "arms": {arm: {metric: summary}}, "kl_removed": {...}}}}}
+         "paired": {"reference": arm, "arms": {arm: {metric: summary}}, "kl_removed": {...},
+                    "vs_full": {arm: {"f1" | "em" | "contains": summary}}}}}}
 
 Metrics read: computed_fraction, flops_fraction, reused_recompute_fraction, probe_fraction,
 chunk_hit_rate, ttft_p50_ms, ttft_p95_ms, rouge_l (vs full),
-first_token_kl, tf_kl, tf_agreement, f1, em, storage_bytes (see COLUMNS).
+first_token_kl, tf_kl, tf_agreement, f1, em, contains (vs gold), storage_bytes (see COLUMNS).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("tf_agreement", "TF agreement", "{:.3f}"),
     ("f1", "F1", "{:.3f}"),
     ("em", "EM", "{:.3f}"),
+    ("contains", "contains gold", "{:.3f}"),
     ("storage_bytes", "storage", "bytes"),
 )
 """(metric key, column header, format) of the report table, in order."""
@@ -132,6 +134,24 @@ def paired_table(paired: dict[str, Any]) -> str:
         cells.append(
             "–" if name == ref else compute_label(delta, 0.0 if delta is not None else None)
         )
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+GOLD_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("f1", "Δ F1"),
+    ("em", "Δ EM"),
+    ("contains", "Δ contains gold"),
+)
+"""(metric, header) of the answers-vs-gold table: arm minus full, per request."""
+
+
+def gold_table(vs_full: dict[str, Any]) -> str:
+    """Each arm's loss against gold relative to the full prefill, request by request."""
+    rows = ["| arm | " + " | ".join(h for _, h in GOLD_COLUMNS) + " |"]
+    rows.append("|---" * (len(GOLD_COLUMNS) + 1) + "|")
+    for name, diffs in vs_full.items():
+        cells = [format_cell((diffs or {}).get(k), "{:+.3f}") for k, _ in GOLD_COLUMNS]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -273,6 +293,17 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
                 "1 - mean(arm TF-KL) / mean(naive TF-KL).",
                 "",
                 paired_table(paired),
+                "",
+            ]
+        if paired.get("vs_full"):
+            lines += [
+                "### Answers against gold, paired with `full`",
+                "",
+                "Each Δ is the arm's score against the gold answers minus full's, on the same "
+                "requests, with a bootstrap 95% CI. `contains gold`: a gold answer appears in "
+                "the answer as whole words.",
+                "",
+                gold_table(paired["vs_full"]),
                 "",
             ]
         for path in _plots(name, wl, out_dir):
