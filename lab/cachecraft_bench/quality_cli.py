@@ -27,11 +27,24 @@ log = logging.getLogger(__name__)
 
 DEFAULT_REQUESTS = 60
 """Requests drawn from a built-in workload when --requests is not given (20 warm the caches)."""
+DEFAULT_WARMUP = 20
+"""--warmup when not given (with --set: each shape's own, eval_sets.py)."""
 
 
 def reuse_config_from_args(args: argparse.Namespace) -> ReuseConfig:
     """ReuseConfig from the config file (--config or ./cachecraft.json), then the flags."""
     return reuse_config(**reuse_overrides(args))
+
+
+def _seed(args: argparse.Namespace) -> int | None:
+    """--seed, else the command's default (None with --set: the set's first seed)."""
+    if getattr(args, "seed", None) is not None or getattr(args, "set", None):
+        return getattr(args, "seed", None)
+    return getattr(args, "default_seed", None)
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    return DEFAULT_WARMUP if args.warmup is None else args.warmup
 
 
 def parse_arm(text: str, base: ReuseConfig) -> tuple[str, dict[str, Any]]:
@@ -100,13 +113,19 @@ def _expected(hint: Any) -> str:
 
 def _add_common_flags(parser: argparse.ArgumentParser, seed: int) -> None:
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--workload", default="wiki-qa", help="wiki-qa | synthetic | sharegpt | FILE")
+    src.add_argument(
+        "--workload", default="wiki-qa",
+        help="wiki-qa | synthetic | sharegpt | two-hop | many-short | long-doc | FILE",
+    )  # fmt: skip
     src.add_argument("--workload-file", default=None, help="a JSONL workload file")
     parser.add_argument(
         "--requests", "--limit", dest="requests", type=int, default=None,
         help=f"requests to use, warm-up included (built-ins: {DEFAULT_REQUESTS}; files: all)",
     )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=seed, help="workload and random-mode seed")
+    parser.add_argument(
+        "--seed", type=int, default=None, help=f"workload and random-mode seed (default {seed})"
+    )
+    parser.set_defaults(default_seed=seed)
     parser.add_argument(
         "--chunk-tokens", default=None, metavar="MIN,MAX",
         help="synthetic only: tokens per chunk (default 128,512)",
@@ -119,9 +138,14 @@ def _add_common_flags(parser: argparse.ArgumentParser, seed: int) -> None:
         "--permute", action="store_true",
         help="synthetic only: the same chunk sets recur, each time in a new order",
     )  # fmt: skip
-    parser.add_argument("--warmup", type=int, default=20, help="first N requests only warm caches")
+    parser.add_argument(
+        "--warmup", type=int, default=None,
+        help=f"first N requests only warm caches (default {DEFAULT_WARMUP})",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy answer length")
-    parser.add_argument("--model", default=None, help="HF dir or .gguf (default: bundled)")
+    parser.add_argument(
+        "--model", default=None, help="HF dir, .gguf or a named model (default: bundled)"
+    )
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--config", default=None, help="config file (default ./cachecraft.json)")
@@ -135,6 +159,11 @@ def add_bench_quality_parser(subparsers: argparse._SubParsersAction) -> argparse
     p = subparsers.add_parser("quality", help="quality vs computation of every reuse mode")
     _add_common_flags(p, seed=0)
     p.add_argument("--modes", default=",".join(LAB_MODES), help="comma-separated modes / ablations")
+    p.add_argument(
+        "--set", choices=("tuning", "report"), default=None,
+        help="run every shape of a set (docs/evaluation.md) at its seed; --seed, --requests "
+        "and --warmup override the set's",
+    )  # fmt: skip
     p.add_argument(
         "--match-budget", action=argparse.BooleanOptionalAction, default=True,
         help="random/cacheblend/epic recompute as many tokens as cachecraft, request by request",
@@ -212,7 +241,7 @@ def load_items(args: argparse.Namespace) -> tuple[str, list[WorkloadItem]]:
     if getattr(args, "permute", False):
         _synthetic_only(args, "--permute")
         kw["permute"] = True
-    items = build_workload(args.workload, n, seed=args.seed, **kw)
+    items = build_workload(args.workload, n, seed=_seed(args) or 0, **kw)
     name = args.workload if args.workload in BUILTIN_WORKLOADS else Path(args.workload).stem
     if kw.get("permute"):
         name = "synthetic-permute"
@@ -268,22 +297,38 @@ def _bench_quality(args: argparse.Namespace) -> int:
     modes = list(dict.fromkeys([*_split(args.modes, str), *configs]))
     for m in modes:
         mode_of(m)  # unknown modes fail before the model loads
-    name, items = load_items(args)
-    results = run_quality(
-        _load_model(args), items, modes, warmup=args.warmup, match_budget=args.match_budget,
-        max_tokens=args.max_tokens, base=base, configs=configs, ablations=args.ablations,
-        sweep=args.sweep, progress=not args.no_progress, workload=name,
-        shared_warmup=args.shared_warmup, seed=args.seed,
-        store_config=_int8_store(args.int8_store), store_bytes=args.store_mib << 20,
-    )  # fmt: skip
+    if args.set:
+        from cachecraft_bench.eval_sets import set_workloads
+
+        runs = set_workloads(args.set, args.seed, args.requests, args.warmup)
+    else:
+        runs = [(*load_items(args), _warmup(args))]
+    loaded = _load_model(args)
+    results: dict[str, Any] = {}
+    for name, items, warmup in runs:
+        got = run_quality(
+            loaded, items, modes, warmup=warmup, match_budget=args.match_budget,
+            max_tokens=args.max_tokens, base=base, configs=configs, ablations=args.ablations,
+            sweep=args.sweep, progress=not args.no_progress, workload=name,
+            shared_warmup=args.shared_warmup, seed=_seed(args) or 0,
+            store_config=_int8_store(args.int8_store), store_bytes=args.store_mib << 20,
+        )  # fmt: skip
+        results = results or {"config": got["config"], "workloads": {}}
+        results["workloads"].update(got["workloads"])
+    if args.set:
+        results["config"].update(set=args.set, workload=[name for name, _, _ in runs])
     if args.out:
         paths = write_report(results, Path(args.out))
         log.info("wrote %s", ", ".join(str(p) for p in paths))
-    summary = flat_summary(results)
+    summaries = [
+        flat_summary({"config": results["config"], "workloads": {name: wl}})
+        for name, wl in results["workloads"].items()
+    ]
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(summaries[0] if len(summaries) == 1 else summaries, indent=2))
     else:
-        _print_table(summary)
+        for summary in summaries:
+            _print_table(summary)
     return 0
 
 
@@ -299,7 +344,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     base = reuse_config_from_args(args)
     name, items = load_items(args)
     points = calibration_curve(
-        _load_model(args), items, alphas, warmup=args.warmup, max_tokens=args.max_tokens,
+        _load_model(args), items, alphas, warmup=_warmup(args), max_tokens=args.max_tokens,
         base=base, progress=not args.no_progress, workload=name,
     )  # fmt: skip
     alpha = pick_alpha({p["param"]: p["rouge_l"] for p in points}, args.target)
@@ -307,7 +352,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     reached = any(p["param"] == alpha and (p["rouge_l"] or 0) >= args.target for p in points)
     path = write_config(
         args.write or args.config, alpha, target=args.target, reached=reached, workload=name,
-        requests=len(items), warmup=args.warmup, curve=curve,
+        requests=len(items), warmup=_warmup(args), curve=curve,
     )  # fmt: skip
     out = {"alpha": alpha, "target": args.target, "reached": reached, "config": str(path)}
     out["curve"] = curve

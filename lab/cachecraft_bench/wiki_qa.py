@@ -11,6 +11,7 @@ import logging
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 import bm25s
 import numpy as np
@@ -18,6 +19,7 @@ from nltk.stem.porter import PorterStemmer
 
 from cachecraft.errors import BadRequestError
 from cachecraft.request import Chunk, RagRequest
+from cachecraft_bench.eval_sets import question_set
 from cachecraft_bench.item import WorkloadItem, estimate_tokens, split_sentences
 from cachecraft_bench.sources import FanoutQuestion, fanout_questions, wiki_articles
 
@@ -127,6 +129,8 @@ def wiki_qa(
     min_tokens: int = 100,
     max_tokens: int = 300,
     title_boost: float = 1.0,
+    questions: Literal["all", "tuning", "report"] = "all",
+    num_questions: int | None = None,
 ) -> list[WorkloadItem]:
     """`num_requests` FanOutQA dev questions (gold answers flattened to strings), each with its
     top-k retrieved passages as chunks, in a seeded question order. Passages are lead
@@ -135,19 +139,29 @@ def wiki_qa(
 
     There are 310 questions: beyond that they are reused, round after round, each round in a
     new order; a reused question gets k passages sampled from its top 2k, in a shuffled order.
+    `questions`: all, or only those of the tuning or the report set (eval_sets.question_set);
+    `num_questions`: only that many of them (seeded), so that questions recur sooner.
     """
     if num_requests < 0 or k < 1:
         raise BadRequestError("wiki-qa needs num_requests >= 0 and k >= 1")
-    questions = fanout_questions()
+    if questions not in ("all", "tuning", "report"):
+        raise BadRequestError(f"wiki-qa questions must be all, tuning or report, not {questions!r}")
+    asked = fanout_questions()
+    if questions != "all":
+        asked = tuple(q for q in asked if question_set(q.id) == questions)
     index = wiki_index(min_tokens, max_tokens)
     rng = np.random.default_rng(seed)
+    if num_questions is not None:
+        if num_questions < 1:
+            raise BadRequestError("wiki-qa needs num_questions >= 1")
+        asked = tuple(asked[i] for i in sorted(rng.permutation(len(asked))[:num_questions]))
     items: list[WorkloadItem] = []
     order: list[int] = []
     for n in range(num_requests):
-        rnd, slot = divmod(n, len(questions))
+        rnd, slot = divmod(n, len(asked))
         if slot == 0:
-            order = rng.permutation(len(questions)).tolist()
-        q = questions[order[slot]]
+            order = rng.permutation(len(asked)).tolist()
+        q = asked[order[slot]]
         if rnd == 0:
             picked = retrieve(index, q, k, title_boost)
         else:

@@ -1,5 +1,6 @@
 """Evaluation workloads: the JSONL workload file format and `build_workload`, which dispatches to
-the built-in generators (wiki-qa, synthetic, sharegpt) or loads a file.
+the built-in generators (wiki-qa, synthetic, sharegpt, and the invented-fact shapes two-hop,
+many-short, long-doc) or loads a file.
 
 File format, one request per line:
 `{"id", "system"?, "namespace"?, "chunks": [{"id"?, "text"}], "question", "answers"?: [str],
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from cachecraft.errors import BadRequestError
 from cachecraft.request import DEFAULT_SYSTEM, Chunk, RagRequest
+from cachecraft_bench.facts import long_doc, many_short, two_hop
 from cachecraft_bench.item import WorkloadItem, estimate_tokens
 from cachecraft_bench.sharegpt import sharegpt
 from cachecraft_bench.synthetic import synthetic
@@ -42,6 +44,9 @@ BUILTIN_WORKLOADS: dict[str, Callable[..., list[WorkloadItem]]] = {
     "wiki-qa": wiki_qa,
     "synthetic": synthetic,
     "sharegpt": sharegpt,
+    "two-hop": two_hop,
+    "many-short": many_short,
+    "long-doc": long_doc,
 }
 
 
