@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,17 @@ def test_pull_finds_parts_by_path_in_installed_packages(
 def test_a_named_model_not_pulled_says_how_to_pull_it(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="cachecraft models pull qwen2.5-coder-1.5b"):
         resolve_model_dir("qwen2.5-coder-1.5b", tmp_path)
+
+
+def test_models_list_names_each_model_and_whether_pulled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cachecraft.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # an empty cache: nothing pulled
+    assert main(["models", "list", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["qwen2.5-coder-1.5b"]["pulled"] is False
+    assert rows["qwen2.5-coder-1.5b"]["bytes"] == 1_117_320_768
+    assert main(["ask", "--model", "qwen2.5-coder-1.5b", "--question", "?"]) == 2
+    assert "cachecraft models pull qwen2.5-coder-1.5b" in capsys.readouterr().err
