@@ -8,17 +8,21 @@ reorders them. The lab refuses nothing: a seed of the other set is used, with a 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cachecraft.errors import BadRequestError
 from cachecraft_bench.item import WorkloadItem
+from cachecraft_bench.wiki_qa import question_set
+from cachecraft_bench.workloads import build_workload
+
+__all__ = ["SHAPES", "Shape", "question_set", "seed_set", "set_shapes", "set_workloads"]
 
 log = logging.getLogger(__name__)
 
 SetName = Literal["tuning", "report"]
+"""The two sets (wiki_qa.py's question_set uses the same names)."""
 REPORT_SEEDS_FROM = 1000
 """Seeds 0..999 are the tuning set's, 1000 and above the report set's."""
 FIRST_SEED: dict[str, int] = {"tuning": 0, "report": REPORT_SEEDS_FROM}
@@ -64,11 +68,6 @@ def seed_set(seed: int) -> SetName:
     return "report" if seed >= REPORT_SEEDS_FROM else "tuning"
 
 
-def question_set(question_id: str) -> SetName:
-    """The set a wiki-qa question belongs to: a stable hash of its id, about half each."""
-    return "report" if hashlib.blake2b(question_id.encode()).digest()[0] & 1 else "tuning"
-
-
 def set_shapes(name: str, seed: int | None = None) -> tuple[int, tuple[Shape, ...]]:
     """(seed, shapes) of the set `name`; `seed` None takes the set's first seed. A seed of the
     other set is allowed, with a warning (tuning on report seeds spoils them)."""
@@ -85,8 +84,6 @@ def set_workloads(
 ) -> list[tuple[str, list[WorkloadItem], int]]:
     """(shape name, items, warm-up requests) for every shape of the set `name`; `requests` and
     `warmup`, when given, replace each shape's own."""
-    from cachecraft_bench.workloads import build_workload  # it imports wiki_qa, which imports us
-
     seed, shapes = set_shapes(name, seed)
     out = []
     for shape in shapes:

@@ -7,6 +7,7 @@ titles are boosted. The BM25 index is built once per process (in memory only).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from dataclasses import dataclass
@@ -19,11 +20,16 @@ from nltk.stem.porter import PorterStemmer
 
 from cachecraft.errors import BadRequestError
 from cachecraft.request import Chunk, RagRequest
-from cachecraft_bench.eval_sets import question_set
 from cachecraft_bench.item import WorkloadItem, estimate_tokens, split_sentences
 from cachecraft_bench.sources import FanoutQuestion, fanout_questions, wiki_articles
 
 logger = logging.getLogger(__name__)
+
+
+def question_set(question_id: str) -> Literal["tuning", "report"]:
+    """The evaluation set (docs/evaluation.md) a question belongs to: a stable hash of its id,
+    about half each."""
+    return "report" if hashlib.blake2b(question_id.encode()).digest()[0] & 1 else "tuning"
 
 
 @lru_cache(maxsize=1 << 16)
@@ -139,7 +145,7 @@ def wiki_qa(
 
     There are 310 questions: beyond that they are reused, round after round, each round in a
     new order; a reused question gets k passages sampled from its top 2k, in a shuffled order.
-    `questions`: all, or only those of the tuning or the report set (eval_sets.question_set);
+    `questions`: all, or only those of the tuning or the report set (`question_set`);
     `num_questions`: only that many of them (seeded), so that questions recur sooner.
     """
     if num_requests < 0 or k < 1:
