@@ -37,7 +37,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     engine, server, store = EngineConfig(), ServerConfig(), StoreConfig()
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="0: a free port (logged)")
-    p.add_argument("--model", default=None, help="HF dir or GGUF file (default: bundled)")
+    p.add_argument(
+        "--model", default=None, help="HF dir, GGUF file or a named model (default: bundled)"
+    )
     p.add_argument(
         "--dtype",
         default="float32",
