@@ -271,7 +271,8 @@ def _print_table(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     cols = ("computed_fraction", "flops_fraction", "ttft_ms_p50", "ttft_speedup_vs_full",
-            "rouge_l_vs_full", "tf_kl_vs_full", "tf_agreement_vs_full", "f1_vs_gold")  # fmt: skip
+            "rouge_l_vs_full", "tf_kl_vs_full", "tf_agreement_vs_full", "f1_vs_gold",
+            "contains_vs_gold")  # fmt: skip
     table = Table(title=f"bench quality: {summary['workload']} ({summary['model']})")
     table.add_column("mode")
     for c in cols:
