@@ -23,7 +23,8 @@ from cachecraft.server.launch import build_stack, close_stack, serve_app
 from cachecraft.store import codec
 from cachecraft.store.cli import chunks_command
 from cachecraft.store.config import StoreConfig
-from cachecraft.store.disk import INDEX, QUARANTINE
+from cachecraft.store.disk import QUARANTINE
+from cachecraft.store.disk_index import INDEX
 from cachecraft.store.store import make_store
 
 DOCS = [

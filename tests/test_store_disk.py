@@ -14,7 +14,8 @@ from store_helpers import make_variant
 
 from cachecraft.store import codec
 from cachecraft.store.config import StoreConfig
-from cachecraft.store.disk import INDEX, QUARANTINE, DiskTier
+from cachecraft.store.disk import QUARANTINE, DiskTier
+from cachecraft.store.disk_index import INDEX
 from cachecraft.store.layers import TensorLayerReader, all_layers
 from cachecraft.store.policy import VariantStats
 from cachecraft.store.store import TieredStore

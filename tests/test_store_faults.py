@@ -27,7 +27,8 @@ from cachecraft.server.launch import start_server
 from cachecraft.store.base import OfferResult
 from cachecraft.store.cli import chunks_command
 from cachecraft.store.config import StoreConfig
-from cachecraft.store.disk import INDEX, DiskTier
+from cachecraft.store.disk import DiskTier
+from cachecraft.store.disk_index import INDEX
 from cachecraft.store.policy import VariantStats
 from cachecraft.store.store import TieredStore
 

@@ -1,25 +1,17 @@
-"""DiskTier: one safetensors file per variant plus a SQLite index (WAL) of metadata and stats.
+"""DiskTier: one safetensors file per variant plus a SQLite index (WAL, `disk_index.py`) of
+metadata and stats. Owns files and rows under one directory, their atomic writes (temp, fsync,
+rename inside the SQLite write lock), verification on every read and crash recovery; several
+processes may share the directory. It never chooses victims: the caller passes `choose`.
 
-Owns files and rows under one directory, their atomic writes (temp, fsync, rename inside the
-SQLite write lock), verification on every read and crash recovery. Several processes may share
-the directory. It never chooses victims itself: the caller passes a `choose` function.
+Integrity: each file carries its own checksums in its header (`codec`), verified on every
+load, layer-wise read, adoption and reindex; the index only copies the header's sum. A file
+that fails, holds non-finite K/V or carries no checksums (an older format: unverifiable) is
+moved to `quarantine/` with a warning and never indexed: a miss is the whole cost.
 
-Integrity: each file carries its own checksums in its header (`codec`: per tensor, and one of
-the header itself), written with it and verified on every load, layer-wise read, adoption and
-reindex; the index only copies the header's sum, never computes one from the bytes it checks.
-A file that fails (or holds non-finite K/V, or carries no checksums: written by an older
-version, so its soundness cannot be told) is moved to `quarantine/` with a warning and never
-indexed; a chunk-cache is recomputable, so a miss is the whole cost.
-
-Faults: a write that fails (disk full, unwritable) removes its temp file and reports "not
-stored" (`put` -> None, `last_write_error`; `write` returns that call's own error, so concurrent
-writers never read each other's), never raises; a directory that cannot be used raises
-StoreUnavailableError in one line; each file's safetensors header carries everything its index
-row holds, so a lost or stale index is rebuilt from the verified files (`reindex`, and on open
-for files the index does not know), never by deleting them; a corrupt index (not a database, malformed)
-is moved aside as `index.sqlite.corrupt-<time>` on open and rebuilt the same way.
-`read_only=True` opens an existing index without creating, recovering or checkpointing
-anything (the CLI's ls / stats).
+Faults: a failed write removes its temp file and reports "not stored" (`put` -> None; `write`
+returns that call's own error), never raises; an unusable directory raises
+StoreUnavailableError in one line; a lost, stale or corrupt index is rebuilt from the verified
+files' headers, never by deleting files. `read_only=True` changes nothing on disk (the CLI).
 """
 
 from __future__ import annotations
@@ -41,25 +33,16 @@ from safetensors.torch import save as st_save
 
 from cachecraft.errors import StoreUnavailableError
 from cachecraft.store import codec
+from cachecraft.store.disk_index import connect_index
+from cachecraft.store.files import drop_cached_pages, pid_alive
 from cachecraft.store.layers import FileLayerReader
 from cachecraft.store.meta import VariantMeta
 from cachecraft.store.policy import VariantStats
-from cachecraft.store.sqlite_file import is_corrupt, open_shared
 from cachecraft.store.variant import Variant
 
 logger = logging.getLogger(__name__)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS variants (
-    variant_id TEXT PRIMARY KEY, chunk_key TEXT NOT NULL, file TEXT NOT NULL,
-    file_size INTEGER NOT NULL, checksum TEXT NOT NULL, tensor_sums TEXT NOT NULL,
-    meta TEXT NOT NULL, num_tokens INTEGER NOT NULL, nbytes INTEGER NOT NULL,
-    hits INTEGER NOT NULL DEFAULT 0, cfo_sum REAL NOT NULL DEFAULT 0,
-    freq REAL NOT NULL DEFAULT 0, last_tick REAL NOT NULL DEFAULT 0);
-CREATE INDEX IF NOT EXISTS variants_chunk ON variants(chunk_key);
-"""
 SUFFIX = ".safetensors"
-INDEX = "index.sqlite"
 QUARANTINE = "quarantine"
 """Sub-directory where files that failed verification are moved (never served, never indexed;
 an operator may inspect or delete them)."""
@@ -97,20 +80,6 @@ class Reindex(NamedTuple):
     dropped_rows: int
 
 
-class _CorruptIndex(Exception):
-    """`PRAGMA quick_check` found the index damaged."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class DiskTier:
     """Variants on local disk. Capacity counts file bytes (`SUM(file_size)`)."""
 
@@ -139,48 +108,7 @@ class DiskTier:
             ) from None
 
     def _connect(self) -> sqlite3.Connection:
-        path = self.root / INDEX
-        if self.read_only:
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"no index ({INDEX}); `cachecraft chunks reindex` rebuilds it"
-                )
-            # mode=ro never creates the index, checkpoints or truncates the WAL. Without a WAL
-            # (no writer open, all checkpointed) immutable=1 also keeps SQLite from creating
-            # -wal / -shm files: the listing then changes nothing at all on disk.
-            wal = path.with_name(INDEX + "-wal").exists()
-            uri = f"file:{path.resolve()}?mode=ro" + ("" if wal else "&immutable=1")
-            db = sqlite3.connect(uri, uri=True, timeout=30.0, check_same_thread=False)
-            db.execute("PRAGMA busy_timeout=30000")
-            return db
-        self.root.mkdir(parents=True, exist_ok=True)
-        if not os.access(self.root, os.W_OK | os.X_OK):
-            raise PermissionError(f"the directory is not writable ({self.root})")
-        try:
-            return self._open_index(path)
-        except (sqlite3.DatabaseError, _CorruptIndex) as e:
-            if isinstance(e, sqlite3.DatabaseError) and not is_corrupt(e):
-                raise  # locked, read-only, I/O: not ours to repair
-            # Every variant file's header carries its row: set the broken index aside (never
-            # delete it) and start an empty one, which `recover` fills from the files.
-            aside = path.with_name(f"{INDEX}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-            logger.warning("index %s is corrupt (%s): moved to %s, rebuilt", path, e, aside.name)
-            for suffix in ("", "-wal", "-shm"):
-                part = path.with_name(INDEX + suffix)
-                if part.exists():
-                    os.replace(part, aside.with_name(aside.name + suffix))
-            return self._open_index(path)
-
-    def _open_index(self, path: Path) -> sqlite3.Connection:
-        def setup(db: sqlite3.Connection) -> None:
-            for stmt in SCHEMA.strip().split(";"):
-                if stmt.strip():
-                    db.execute(stmt)
-            check = db.execute("PRAGMA quick_check").fetchone()[0]
-            if check != "ok":
-                raise _CorruptIndex(check)
-
-        return open_shared(path, 30.0, setup)
+        return connect_index(self.root, self.read_only)
 
     # -- transactions ---------------------------------------------------------------------
     @contextmanager
@@ -212,7 +140,7 @@ class DiskTier:
         with self._write() as db:
             for path in self.root.glob(".*.tmp"):
                 pid = int(path.name.split(".")[2]) if path.name.count(".") >= 3 else -1
-                if pid != os.getpid() and not _pid_alive(pid):
+                if pid != os.getpid() and not pid_alive(pid):
                     logger.warning("removing half-written temp file %s", path.name)
                     path.unlink(missing_ok=True)
                     temp += 1
@@ -474,7 +402,7 @@ class DiskTier:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-            _drop_cached_pages(fh.fileno())
+            drop_cached_pages(fh.fileno())
         evicted: list[str] = []
         try:
             with self._write() as db:
@@ -559,16 +487,6 @@ class DiskTier:
             mine = [p for p in self.root.glob(f".*.{os.getpid()}.*.tmp")]
             assert not mine, f"temp files left behind: {mine}"
             assert self.nbytes <= self.capacity_bytes, "disk tier over capacity"
-
-
-def _drop_cached_pages(fd: int) -> None:
-    """Let the kernel drop a just-written file's pages from its page cache. A variant written
-    through is still in the memory tier above, so the cached copy only duplicates it until that
-    tier evicts it; and filling the page cache costs fresh memory, which on a VM whose host
-    backs guest memory lazily is far dearer than reusing the few pages dropped write after
-    write (docs/performance.md). A later read then comes from the device."""
-    if hasattr(os, "posix_fadvise"):  # Linux, the BSDs; not macOS
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 class _Refused(Exception):
