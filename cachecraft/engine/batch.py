@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cachecraft.engine.live import Live, Offer
+from cachecraft.engine.retry import again_if_corrupt
 from cachecraft.engine.runner import Runner, Spliced
 from cachecraft.engine.scheduler import SchedulerOutput
 from cachecraft.model.kv import KVCache
@@ -23,7 +24,6 @@ from cachecraft.model.kv_pool import KVPool
 from cachecraft.model.step import DecodeBatch, SeqResult, SeqWork, piece
 from cachecraft.reuse.plan import RecomputePlan
 from cachecraft.reuse.strategy import ReuseStrategy
-from cachecraft.store.codec import CorruptVariantError
 
 log = logging.getLogger(__name__)
 
@@ -136,20 +136,16 @@ class BatchBuilder:
         chunk-cache found corrupt while splicing (a probe reads every layer up front) was
         dropped by the store, so planning once more makes it a miss."""
         assert live.state is not None
-        for attempt in range(2):
-            live.plan = plan if plan is not None and attempt == 0 else self.plan(live)
-            try:
-                extra = live.state.max_tokens + len(live.options.forced if live.options else ())
-                if live.kv is None:
-                    live.kv = self._new_cache(live.plan.layout.num_tokens + extra)
-                return self.runner.splice(live.plan, extra, live.t_submit, kv=live.kv)
-            except CorruptVariantError:
-                if attempt:
-                    raise
-                log.warning(
-                    "request %s: a chunk-cache was corrupt; planning it again", live.request_id
-                )
-        raise AssertionError("unreachable")
+        state = live.state
+
+        def attempt(i: int) -> Spliced:
+            live.plan = plan if plan is not None and i == 0 else self.plan(live)
+            extra = state.max_tokens + len(live.options.forced if live.options else ())
+            if live.kv is None:
+                live.kv = self._new_cache(live.plan.layout.num_tokens + extra)
+            return self.runner.splice(live.plan, extra, live.t_submit, kv=live.kv)
+
+        return again_if_corrupt(attempt, f"request {live.request_id}")
 
     def _new_cache(self, capacity: int) -> KVCache:
         """A pool slot (decodes batched with the others) or, when none fits, a cache of its own."""
@@ -245,26 +241,23 @@ class BatchBuilder:
         live = self.live.get(rid)
         if live is None:
             return None
-        for attempt in range(2):
-            try:
-                if is_prefill:
-                    if failed_alone and attempt == 0:
-                        continue  # it already failed alone once; start afresh right away
-                    live.close_loader()
-                    self.start(live)
-                    assert live.job is not None
-                    work = live.job.work
+
+        def attempt(i: int) -> SeqResult:
+            if not is_prefill:
                 return self.runner.loaded.model.forward_step([work])[0]
-            except CorruptVariantError as e:
-                if not is_prefill or attempt:
-                    self.fail(rid, e)
-                    return None
-                log.warning("request %s: a chunk-cache was corrupt; planning it again", rid)
-            except Exception as e:
-                log.warning("request %s failed in the forward step: %r", rid, e)
-                self.fail(rid, e)
-                return None
-        return None
+            live.close_loader()  # start afresh: a re-plan, so a chunk found corrupt is a miss
+            self.start(live)
+            assert live.job is not None
+            return self.runner.loaded.model.forward_step([live.job.work])[0]
+
+        try:  # a prefill that already failed alone once starts afresh right away, once
+            if is_prefill and not failed_alone:
+                return again_if_corrupt(attempt, f"request {rid}")
+            return attempt(1)
+        except Exception as e:
+            log.warning("request %s failed in the forward step: %r", rid, e)
+            self.fail(rid, e)
+            return None
 
 
 def waits_for(plan: RecomputePlan, strategy: ReuseStrategy, in_flight: set[Offer]) -> bool:

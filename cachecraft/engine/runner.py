@@ -25,6 +25,7 @@ from cachecraft.engine.layer_loader import LayerLoader
 from cachecraft.engine.prefix_cache import PrefixCache
 from cachecraft.engine.probe import Probe, ScratchCaches, probe_work, runs_in_place
 from cachecraft.engine.report import ChunkReport, RequestReport
+from cachecraft.engine.retry import again_if_corrupt
 from cachecraft.engine.selection import select_on_device
 from cachecraft.engine.variants import make_variants
 from cachecraft.errors import BadRequestError, NonFiniteError
@@ -457,17 +458,15 @@ class Runner:
         corrupt while its layers are read is dropped by the store; the request is then planned
         again (that chunk becomes a miss), never served from bad bytes."""
         t0 = time.perf_counter()
-        for attempt in range(2):
-            job = None
+
+        def attempt(_: int) -> tuple[PrefillJob, PrefillOutcome]:
+            job = self.start(self.plan(request, strategy, budgets), extra_capacity, t0)
             try:
-                job = self.start(self.plan(request, strategy, budgets), extra_capacity, t0)
                 result = self.loaded.model.forward_step([job.work])[0]
             except CorruptVariantError:
-                if job is not None and job.loader is not None:
+                if job.loader is not None:
                     job.loader.close()
-                if attempt:
-                    raise
-                log.warning("a chunk-cache was corrupt; planning the request again")
-                continue
+                raise
             return job, self.finish(job, result)
-        raise AssertionError("unreachable")
+
+        return again_if_corrupt(attempt, "a request")
