@@ -17,50 +17,17 @@ import argparse
 import json
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.llm import LLM
-from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
+from cachecraft.model.loader import LoadedModel, load_model
+from cachecraft.model.shapes import SHAPES
 from cachecraft.request import Chunk, RagRequest
 from cachecraft.store.config import StoreConfig
-
-SHAPES: dict[str, dict[str, object]] = {
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
-    "llama-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
-    "llama-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
-}
-"""Llama shapes (SmolLM2-135M's, Llama 3.2 1B's and Llama 3.1 8B's) over the bundled
-tokenizer's 49,152-token vocabulary."""
 
 WORDS = [
     "river",
@@ -97,32 +64,6 @@ WORDS = [
     "vineyard",
     "windmill",
 ]
-
-
-def random_model(shape: str, dtype: str, device: str, root: Path) -> LoadedModel:
-    """A model of `shape` with random weights, saved as an HF directory beside the bundled
-    tokenizer and loaded as any model is."""
-    bundled = resolve_model_dir(None)
-    config = LlamaConfig(
-        vocab_size=49152,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        **SHAPES[shape],
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
-    path = root / shape
-    model.save_pretrained(path)
-    del model
-    for f in bundled.iterdir():
-        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
-            (path / f.name).write_bytes(f.read_bytes())
-    return load_model(str(path), dtype, device)
 
 
 def chunk_texts(loaded: LoadedModel, n: int, tokens: int, rng: random.Random) -> list[str]:
@@ -200,11 +141,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.shape == "bundled":
-            loaded = load_model(None, args.dtype, args.device)
-        else:
-            loaded = random_model(args.shape, args.dtype, args.device, Path(tmp))
+    spec = None if args.shape == "bundled" else f"shape:{args.shape}"  # random weights
+    loaded = load_model(spec, args.dtype, args.device)
     load_s = time.perf_counter() - t0
     rng = random.Random(args.seed)
     texts = chunk_texts(loaded, args.pool, args.chunk_tokens, rng)
