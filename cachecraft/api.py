@@ -26,7 +26,13 @@ from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
 from cachecraft.model.reference import greedy_tokens, prefill
 from cachecraft.model.shapes import SHAPES
 from cachecraft.request import RagRequest
-from cachecraft.reuse.cachecraft import CachecraftParams, CachecraftStrategy, make_probe, probe_cost
+from cachecraft.reuse.cachecraft import (
+    CachecraftParams,
+    CachecraftStrategy,
+    make_probe,
+    probe_cost,
+    rows_that_fit,
+)
 from cachecraft.reuse.layout import build_layout
 from cachecraft.reuse.modes import (
     PlanInput,
@@ -116,6 +122,7 @@ __all__ = [
     "random_n",
     "ranged",
     "resolve_model_dir",
+    "rows_that_fit",
     "start_server",
     "top_scored",
     "variant_from_bytes",

@@ -492,3 +492,22 @@ def test_a_vanished_probed_chunk_leaves_the_probe_budget() -> None:
     q = as_miss(p, 1)
     assert q.chunks[1].reason == "vanished" and q.probe.total == p.probe.total - a_budget
     assert as_miss(q, 2).probe is None  # nothing left to probe
+
+
+def test_prophets_probe_is_trimmed_as_cachecraft_s() -> None:
+    # As in the trimmed-probe test: a reused A at budget 2 and a 2-row question; at
+    # probe_max_cost 0.5 one question row fits. prophet, given the same budget, trims to it too.
+    lay = layout("X", "A")
+    variants = {"A": [variant("A", ("Y",))]}
+    ours = plan("cachecraft", variants, lay, dict(probe_trim=True, probe_skip_share=0.0))
+    theirs = plan("prophet", variants, lay, budgets=[None, 2])
+    assert ours.probe is not None and theirs.probe is not None
+    assert theirs.probe.question_rows == ours.probe.question_rows == 1
+    assert theirs.probe_cost == ours.probe_cost == 1.0
+    untrimmed = dict(probe=CachecraftParams(probe_trim=False))
+    whole = plan("prophet", variants, lay, untrimmed, budgets=[None, 2])
+    assert whole.probe is not None and whole.probe.question_rows is None
+    assert whole.num_probe_rows == 2
+    # not one row fits the cap: prophet, which has no check to fall back on, keeps one row
+    none = dict(probe=CachecraftParams(probe_max_cost=0.0))
+    assert plan("prophet", variants, lay, none, budgets=[None, 2]).probe.question_rows == 1

@@ -49,6 +49,11 @@ class RequestReport:
         return self.prompt_tokens - self.tokens_computed
 
     @property
+    def probe_fraction(self) -> float:
+        """The probe's cost in full-depth rows per prompt token."""
+        return self.probe_cost / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
     def computed_fraction(self) -> float:
         """Rows computed, the probe's included (by the layers it ran), per prompt token."""
         done = self.tokens_computed + self.probe_cost

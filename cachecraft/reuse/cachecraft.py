@@ -146,7 +146,8 @@ def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
     cost = probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers)
     rows = None  # the question rows the probe runs (None: all of them)
     if p.probe_max_cost is not None and cost > p.probe_max_cost * total:
-        rows = _rows_that_fit(inp, p, p.probe_max_cost * total) if p.probe_trim else 0
+        fit = rows_that_fit(inp.layout, inp.prefix_hit, p, inp.num_layers, p.probe_max_cost * total)
+        rows = fit if p.probe_trim else 0
         if rows < 1:
             extra = math.ceil(p.probe_skip_share * cost - 1e-9)
             return _check_instead_of_probe(inp, p, chunks, total + extra)
@@ -158,12 +159,14 @@ def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
     return make_plan(inp, "cachecraft", chunks, probe=probe)
 
 
-def _rows_that_fit(inp: PlanInput, p: CachecraftParams, cost: float) -> int:
-    """The most question rows a trimmed probe can run within `cost` (full-depth rows; the
-    uncached prefix, which the probe must run as well, comes first)."""
-    share = (probe_last_layer(p, inp.num_layers) + 1) / inp.num_layers
-    prefix = 0 if inp.prefix_hit else inp.layout.prefix_len
-    return max(min(math.floor(cost / share + 1e-9) - prefix, len(inp.layout.question_ids)), 0)
+def rows_that_fit(
+    layout: PromptLayout, prefix_hit: bool, p: CachecraftParams, num_layers: int, cost: float
+) -> int:
+    """The most question rows a probe run with `p` can run within `cost` (full-depth rows;
+    the uncached prefix, which the probe must run as well, comes first)."""
+    share = (probe_last_layer(p, num_layers) + 1) / num_layers
+    prefix = 0 if prefix_hit else layout.prefix_len
+    return max(min(math.floor(cost / share + 1e-9) - prefix, len(layout.question_ids)), 0)
 
 
 def _pooled_total(p: CachecraftParams, chunks: Sequence[ChunkPlan]) -> int:

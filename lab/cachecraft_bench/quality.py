@@ -8,14 +8,13 @@ Aggregation into the report schema lives in `quality_summary.py`.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -28,15 +27,21 @@ from cachecraft.api import (
     ReuseStrategy,
     SamplingParams,
     make_store,
-    matched_budgets,
-    probe_cost,
 )
 from cachecraft.config import ReuseConfig
 from cachecraft.errors import BadRequestError
 from cachecraft.store.base import ChunkStore
 from cachecraft.store.config import StoreConfig
-from cachecraft_bench.flops import ModelShape, flops_fraction
+from cachecraft_bench.flops import ModelShape
 from cachecraft_bench.item import WorkloadItem
+from cachecraft_bench.matching import (
+    Budgets,
+    Source,
+    answer_at_flops,
+    answer_flops,
+    cost_beyond_rows,
+    token_budgets,
+)
 from cachecraft_bench.metrics import (
     contains_answer,
     exact_match,
@@ -103,7 +108,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 """Arm name -> settings changed. cachecraft-*: one choice of the default changed each;
 cacheblend-global: CacheBlend picking its top tokens across chunks (at cachecraft's budget).
 A matched mode or ablation named with the suffix FLOPS_SUFFIX ("epic-flops",
-"cacheblend-global-flops") takes cachecraft's budgets at equal FLOPs instead of equal tokens."""
+"cacheblend-global-flops") takes cachecraft's budgets at equal FLOPs by position instead of
+equal token-layers."""
 FLOPS_SUFFIX = "-flops"
 
 
@@ -113,9 +119,9 @@ class Arm:
     `config` over its own store.
 
     budget_from: the cachecraft arm whose per-request budgets this arm takes (None: its own).
-    match: "tokens": as many computed tokens as that arm (its probe's cost included);
-    "flops": as many token-layers (its probe's and its check's partial rows included; see
-    `_flops_extra`).
+    match: "tokens": as many token-layers as that arm (its probe's rows and its check's
+    stopped candidates included); "flops": as many FLOPs by position, within
+    `matching.MATCH_TOLERANCE` (`matching.py`).
     sweep: (mode, parameter value) when the arm is a sweep point.
     """
 
@@ -239,17 +245,6 @@ def _compare(item: WorkloadItem, ref: Answer, got: Answer, shape: ModelShape) ->
     """One arm's numbers on one request; `ref` is the full-recompute answer."""
     assert ref.forced_logits is not None and got.forced_logits is not None
     report = got.report
-    rows = got.rows.cpu().numpy()
-    layers = (got.rows_last_layer + 1).cpu().numpy()
-    probe = got.plan.probe
-    if probe is not None and report.probe_tokens:
-        # The probe's rows (the question, and the prefix when it was not cached) ran through
-        # layers 0..probe.last_layer; counted at the prompt's last positions, an upper bound
-        # on their attention cost.
-        n = report.prompt_tokens
-        probe_rows = np.arange(n - report.probe_tokens, n)
-        rows = np.concatenate([rows, probe_rows])
-        layers = np.concatenate([layers, np.full(probe_rows.shape, probe.last_layer + 1)])
     # probe_fraction: the probe's cost in full-depth rows (rows x share of layers run)
     agree = ref.forced_logits.argmax(-1) == got.forced_logits.argmax(-1)
     chunks = report.chunks
@@ -259,9 +254,10 @@ def _compare(item: WorkloadItem, ref: Answer, got: Answer, shape: ModelShape) ->
         "id": item.id,
         "text": got.text,
         "computed_fraction": report.computed_fraction,
-        "flops_fraction": flops_fraction(shape, rows, report.prompt_tokens, layers),
+        "token_layers_fraction": report.layer_fraction + report.probe_fraction,
+        "flops_fraction": answer_flops(got, shape),
         "reused_recompute_fraction": hit_done / hit_tokens if hit_tokens else None,
-        "probe_fraction": report.probe_cost / report.prompt_tokens,
+        "probe_fraction": report.probe_fraction,
         "ttft_ms": report.ttft_ms,
         "chunk_hit_rate": sum(c.is_hit for c in chunks) / len(chunks) if chunks else None,
         "rouge_l": rouge_l(got.text, ref.text),
@@ -278,41 +274,18 @@ def _compare(item: WorkloadItem, ref: Answer, got: Answer, shape: ModelShape) ->
     }
 
 
-def _flops_extra(got: Answer, num_layers: int) -> float:
-    """cachecraft's cost beyond its full-depth rows, in full-depth rows: the probe's rows x
-    the share of layers they ran, plus the check's candidates that stopped there x theirs
-    (token-layers; attention's dependence on position is left out)."""
-    layers = float((got.rows_last_layer + 1).sum()) / num_layers
-    full_depth = float((got.rows_last_layer + 1 == num_layers).sum())
-    return got.report.probe_cost + layers - full_depth
-
-
-def _arm_budgets(
-    arm: Arm, sources: dict[str, tuple[Answer, float]], num_layers: int
-) -> list[int | None] | None:
-    """The budgets `arm` gets from its source arm (None: its own).
-
-    tokens: cachecraft's recomputed tokens plus its probe's cost (prophet, which runs the same
-    probe itself, without it). flops: plus the check's stopped candidates as well; CacheBlend,
-    whose every reused token runs to its check layer, keeps per chunk the b with
-    b + (n - b) x s = the chunk's matched tokens (s: the share of layers up to its check)."""
-    if arm.budget_from is None:
-        return None
-    got, extra = sources[arm.budget_from]
-    if arm.match == "tokens":
-        extra = got.report.probe_cost
-    if arm.mode == "prophet":  # its own probe comes out of the same total
-        probe = arm.strategy.params.probe
-        extra -= probe_cost(got.plan.layout, got.plan.prefix_hit, probe, num_layers)
-    budgets = matched_budgets(got.plan, extra=round(extra))
-    if arm.match == "flops" and arm.mode == "cacheblend":
-        s = min(arm.strategy.params.cacheblend_check_layer + 1, num_layers) / num_layers
-        sizes = [c.slot.num_tokens for c in got.plan.chunks]
-        budgets = [
-            None if b is None else max(math.floor((b - n * s) / (1 - s) + 1e-9), 0)
-            for b, n in zip(budgets, sizes, strict=True)
-        ]
-    return budgets
+def _attempt(
+    llm: LLM,
+    item: WorkloadItem,
+    sampling: SamplingParams,
+    strategy: ReuseStrategy,
+    forced: list[int] | None,
+    budgets: Budgets | None,
+    commit: bool,
+) -> Answer:
+    return llm.answer(
+        item.request, sampling, strategy, budgets=budgets, forced=forced, commit=commit
+    )
 
 
 def _run_request(
@@ -325,16 +298,28 @@ def _run_request(
     """All arms on one request; measure False means warm-up (fill the caches only)."""
     full, *others = runs
     ref = full.llm.answer(item.request, sampling, "full", force_answer=measure)
-    sources: dict[str, tuple[Answer, float]] = {}  # cachecraft arm -> (answer, flops extra)
+    sources: dict[str, Source] = {}  # cachecraft arm -> what the arms matched to it take
     for run in others:
         arm = run.arm
-        given = _arm_budgets(arm, sources, shape.num_layers)
         forced = ref.token_ids if measure else None
-        got = run.llm.answer(item.request, sampling, arm.strategy, budgets=given, forced=forced)
+
+        attempt = partial(_attempt, run.llm, item, sampling, arm.strategy, forced)
+
+        trials = 1
+        source = sources.get(arm.budget_from) if arm.budget_from else None
+        if source is None:
+            got = attempt(None, True)
+        else:
+            given = token_budgets(arm.mode, arm.strategy, source, shape.num_layers)
+            if measure and arm.match == "flops":
+                got, trials = answer_at_flops(attempt, arm.mode, given, source, shape)
+            else:
+                got = attempt(given, True)
         if arm.mode == "cachecraft":
-            sources[arm.name] = (got, _flops_extra(got, shape.num_layers))
+            extra = cost_beyond_rows(got, shape.num_layers)
+            sources[arm.name] = Source(got, extra, answer_flops(got, shape))
         if measure:
-            run.records.append(_compare(item, ref, got, shape))
+            run.records.append({**_compare(item, ref, got, shape), "answers_tried": trials})
         del got
     if measure:
         full.records.append(_compare(item, ref, ref, shape))

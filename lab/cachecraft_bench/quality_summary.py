@@ -16,6 +16,7 @@ from cachecraft_bench.paired import paired_summary
 
 MEAN_METRICS: tuple[str, ...] = (
     "computed_fraction",
+    "token_layers_fraction",
     "flops_fraction",
     "reused_recompute_fraction",
     "probe_fraction",
@@ -50,6 +51,7 @@ FLAT_KEYS: dict[str, str] = {
 
 SWEEP_METRICS: tuple[str, ...] = (
     "computed_fraction",
+    "token_layers_fraction",
     "flops_fraction",
     "tf_kl",
     "tf_agreement",

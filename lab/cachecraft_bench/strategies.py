@@ -35,8 +35,10 @@ from cachecraft.api import (
     make_probe,
     miss,
     per_chunk,
+    probe_cost,
     random_n,
     ranged,
+    rows_that_fit,
     top_scored,
 )
 from cachecraft.config import ReuseConfig
@@ -210,7 +212,9 @@ class ProphetParams(ScoringRules):
 class ProphetStrategy(ReuseStrategy):
     """ProphetKV-style baseline: one budget for the request (prophet_ratio of the reused
     tokens, or the sum of the given budgets), spent on the tokens the question attends to most,
-    wherever they are. Variants chosen as cachecraft chooses them."""
+    wherever they are. Variants chosen as cachecraft chooses them; its probe trimmed as
+    cachecraft's is (to the question's last rows that cost at most probe_max_cost x the budget,
+    and at least one row), so neither side pays for a probe the other would cut."""
 
     name = "prophet"
     params: ProphetParams
@@ -233,7 +237,13 @@ class ProphetStrategy(ReuseStrategy):
         given = inp.given_total()
         ratio = self.params.prophet_ratio
         total = fix_count(ratio, reused) if given is None else min(given, reused)
-        probe = make_probe(inp, self.params.probe, total, "global", 0.0, 0.0, 0)
+        p = self.params.probe
+        rows = None
+        cost = probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers)
+        if p.probe_trim and p.probe_max_cost is not None and cost > p.probe_max_cost * total:
+            cap = p.probe_max_cost * total
+            rows = max(rows_that_fit(inp.layout, inp.prefix_hit, p, inp.num_layers, cap), 1)
+        probe = make_probe(inp, p, total, "global", 0.0, 0.0, 0, rows)
         return make_plan(inp, self.name, chunks, probe=probe)
 
 

@@ -116,18 +116,24 @@ def chat_body(
     """A streamed, greedy chat-completion body for our server: the passages as `client` sends
     them (`client_messages`; "documents": in our documents field)."""
     documents = [{"id": c.id, "text": c.text} if c.id else {"text": c.text} for c in request.chunks]
+    body = _streamed_greedy(model, max_tokens, ignore_eos)
+    body["messages"] = client_messages(request, client)
+    body["documents"] = documents if client == "documents" else []
+    body["cache_namespace"] = namespace or request.namespace
+    if mode is not None:
+        body["cachecraft_mode"] = mode
+    return body
+
+
+def _streamed_greedy(model: str, max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
+    """What every body here asks for: greedy, streamed, usage in the last chunk."""
     body: dict[str, Any] = {
         "model": model,
-        "messages": client_messages(request, client),
-        "documents": documents if client == "documents" else [],
-        "cache_namespace": namespace or request.namespace,
         "temperature": 0,
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if mode is not None:
-        body["cachecraft_mode"] = mode
     if ignore_eos:
         body["ignore_eos"] = True
     return body
@@ -172,18 +178,10 @@ def completions_body(
     ignore_eos: bool = False,
 ) -> dict[str, Any]:
     """A streamed, greedy `/v1/completions` body with a token-id prompt (vLLM)."""
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt_ids,
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = _streamed_greedy(model, max_tokens, ignore_eos)
+    body["prompt"] = prompt_ids
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
-    if ignore_eos:
-        body["ignore_eos"] = True
     return body
 
 
