@@ -55,6 +55,20 @@ def test_keys_moved_by_delta_equal_keys_at_new_position(params: dict) -> None:
 
 
 @pytest.mark.parametrize("params", SCALINGS, ids=lambda p: p["rope_type"])
+def test_tabled_ranges_equal_tables_computed_for_the_positions(params: dict) -> None:
+    """cos_sin_range (a reused chunk's rotation, sliced from a table grown on demand) gives
+    what cos_sin computes for those positions, in each dtype, across the table's growth."""
+    rope = _rope(params)
+    for start, end in ((0, 10), (1000, 1030), (5, 3000), (2990, 2991), (9000, 9100)):
+        for dtype in (torch.float32, torch.bfloat16):
+            want = rope.cos_sin(torch.arange(start, end), dtype)
+            got = rope.cos_sin_range(start, end, dtype)
+            assert got[0].dtype == dtype and got[0].shape == want[0].shape
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("params", SCALINGS, ids=lambda p: p["rope_type"])
 def test_shift_equals_unrotate_then_rotate(params: dict) -> None:
     """One rotation by the shift (the probe's re-rotation) equals unrotate + rotate, both ways."""
     rope = _rope(params)

@@ -32,8 +32,7 @@ class LayerLoader:
 
     def add(self, reader: LayerReader, start: int, end: int) -> None:
         """Place `reader`'s chunk at positions start..end-1."""
-        positions = torch.arange(start, end, device=self.kv.k.device)
-        cos, sin = self.rope.cos_sin(positions, self.kv.k.dtype)
+        cos, sin = self.rope.cos_sin_range(start, end, self.kv.k.dtype)
         self._spans.append((reader, start, end, cos, sin))
         self.kv.ensure_capacity(end)
 

@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cachecraft.config import ReuseConfig
@@ -247,8 +248,10 @@ class Runner:
             if spliced.probe.scratch is not None:  # it ran: its scratch is free again
                 self.scratches.give(spliced.probe.scratch)
                 spliced.probe.scratch = None
-        positions = torch.tensor(plan.rows(), dtype=torch.long)
-        ids = torch.tensor(plan.layout.token_ids, dtype=torch.long)[positions]
+        rows = plan.rows()  # through numpy: torch.tensor of a long tuple is ~4x slower
+        token_ids = plan.layout.token_ids
+        positions = torch.from_numpy(np.array(rows, dtype=np.int64))
+        ids = torch.from_numpy(np.fromiter((token_ids[p] for p in rows), np.int64, len(rows)))
         work = SeqWork(kv, ids, positions)
         if loader.num_readers and not probe_rows:
             work.before_layer = loader.fill_layer
@@ -332,10 +335,13 @@ class Runner:
         if check is None or check.weights is None:
             return None
         out = torch.zeros(plan.layout.num_tokens, dtype=torch.float32)
-        for cp, w in zip(plan.chunks, check.weights, strict=True):
-            if w is not None:
-                at = torch.tensor([cp.slot.start + t for t in cp.recompute], dtype=torch.long)
-                out[at] = torch.tensor(w, dtype=torch.float32)
+        weighted = [(cp, w) for cp, w in zip(plan.chunks, check.weights, strict=True) if w]
+        if weighted:
+            at = np.concatenate(
+                [np.array(cp.recompute, np.int64) + cp.slot.start for cp, _ in weighted]
+            )
+            values = np.concatenate([np.array(w, np.float32) for _, w in weighted])
+            out[torch.from_numpy(at)] = torch.from_numpy(values)
         return out
 
     # ---- after the forward ----------------------------------------------------------------

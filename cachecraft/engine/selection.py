@@ -69,7 +69,12 @@ def select_on_device(
             top = math.ceil(probe.check * probe.total - 1e-9)
             wide = _counts(order, chunk_of, num, min(max(top, 0), eligible))
     take = wide if checked else counts
-    picked = _top_per_chunk(scores, chunk_of, starts, take, device)  # bool [T]
+    if probe.split == "chunk":
+        picked = _top_per_chunk(scores, chunk_of, starts, take, device)  # bool [T]
+    else:  # take counts the first sum(take) of `order`, which ranks a chunk's tokens as
+        # _top_per_chunk does (by score, ties to the lower offset): those are the picks
+        picked = torch.zeros(att.shape[0], dtype=torch.bool, device=device)
+        picked[order[: sum(take)]] = True
     power = probe.check_power if probe.check_score == "product" else 0.0
     flat = torch.nonzero(picked).flatten()  # ascending: chunk by chunk, offsets in order
     values = None

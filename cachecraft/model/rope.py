@@ -27,6 +27,20 @@ class Rope:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, device=None)
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
         self.scaling = float(scaling)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 [n, head_dim] x 2
+
+    def cos_sin_range(self, start: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin [end - start, head_dim] for positions start..end-1, sliced from a table
+        of positions 0..n-1 kept in fp32 and grown by doubling: a reused chunk's rotation
+        then costs no cos/sin evaluation on the request's path (the host work a GPU cannot
+        hide). Host ints, so no device read-back."""
+        table = self._table
+        if table is None or table[0].shape[0] < end:
+            n = max(end, 2 * (0 if table is None else table[0].shape[0]), 1024)
+            positions = torch.arange(n, device=self.inv_freq.device)
+            cos, sin = self.cos_sin(positions, torch.float32)
+            table = self._table = (cos, sin)  # one assignment: a reader sees old or new
+        return table[0][start:end].to(dtype), table[1][start:end].to(dtype)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions [n] (any device) -> cos, sin [n, head_dim] on the tables' device
