@@ -407,6 +407,29 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
         plan("cachecraft", variants, lay, dict(probe_max_cost=-1.0))
 
 
+def test_a_probe_that_would_rank_nothing_out_gives_its_rows_to_a_check_of_every_token() -> None:
+    # As above: budget 2 over A's 4 tokens, a probe costing 2.0 rows (under its cap here).
+    # With probe_check 3 its candidates (6) would be all of A anyway: probe_skip_wide skips it.
+    lay = layout("X", "A")
+    variants = {"A": [variant("A", ("Y",))]}
+    base = dict(probe_max_cost=None)
+    assert plan("cachecraft", variants, lay, base).probe is not None  # off by default
+    wide = dict(base, probe_skip_wide=True)
+    p = plan("cachecraft", variants, lay, wide)
+    a = p.chunks[1]
+    assert p.probe is None and p.deviation is not None and p.probe_cost == 0.0
+    assert (a.select, a.recompute) == ("deviation", (0, 1, 2, 3))
+    assert p.deviation.total == 2 + 2 == a.budget  # the budget plus the probe's rows
+    assert p.deviation.layer == 3  # probe_check_layer, unless check_alone_layer says
+    assert plan("cachecraft", variants, lay, dict(wide, check_alone_layer=2)).deviation.layer == 2
+    # a probe whose candidates leave some of A out still runs: 1 x 2 < 4
+    narrow = plan("cachecraft", variants, lay, dict(wide, probe_check=1.0))
+    assert narrow.probe is not None and narrow.deviation is None
+    # ... and so does one with no check (probe_check 0: the probe alone picks)
+    alone = plan("cachecraft", variants, lay, dict(wide, probe_check=0.0))
+    assert alone.probe is not None and alone.deviation is None
+
+
 def test_a_skipped_probe_gives_the_share_of_its_rows_it_is_told_to() -> None:
     # As above: budget 2, a probe costing 2.0 rows, skipped at probe_max_cost 0.5.
     lay = layout("X", "A")

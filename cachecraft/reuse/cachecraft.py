@@ -66,6 +66,11 @@ class CachecraftParams(ScoringRules):
     """Share of the probe cost cut by probe_max_cost that is added to the budget."""
     probe_trim: bool = True
     """A probe over its cost is trimmed to the question's last rows (False: skipped)."""
+    probe_skip_wide: bool = False
+    """No probe when its candidates would be every reused token anyway (probe_check x budget
+    >= the reused tokens: it would rank nothing out); its cost goes to a check of them all."""
+    check_alone_layer: int | None = ranged(None, 0)
+    """The layer of a check run without a probe (None: probe_check_layer)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -144,6 +149,10 @@ def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
     if not total:  # nothing to recompute: no probe to steer it
         return make_plan(inp, "cachecraft", [_planned(c) for c in chunks])
     cost = probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers)
+    reused = sum(c.slot.num_tokens for c in chunks if c.select == "probe")
+    if p.probe_skip_wide and p.probe_check > 0 and p.probe_check * total >= reused:
+        extra = math.ceil(p.probe_skip_share * cost - 1e-9)
+        return _check_instead_of_probe(inp, p, chunks, total + extra)
     rows = None  # the question rows the probe runs (None: all of them)
     if p.probe_max_cost is not None and cost > p.probe_max_cost * total:
         fit = rows_that_fit(inp.layout, inp.prefix_hit, p, inp.num_layers, p.probe_max_cost * total)
@@ -152,7 +161,6 @@ def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
             extra = math.ceil(p.probe_skip_share * cost - 1e-9)
             return _check_instead_of_probe(inp, p, chunks, total + extra)
         left_out = cost - probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers, rows)
-        reused = sum(c.slot.num_tokens for c in chunks if c.select == "probe")
         total = min(total + math.ceil(p.probe_skip_share * left_out - 1e-9), reused)
     focus = config.focus_threshold if p.early_termination else 0.0
     probe = make_probe(inp, p, total, p.probe_split, focus, p.probe_check, p.probe_sink, rows)
@@ -208,14 +216,18 @@ def _check_instead_of_probe(
         else c
         for i, c in enumerate(chunks)
     ]
-    check = DeviationCheck(_check_layer(p, inp.num_layers), spend, sink=p.probe_sink)
+    check = DeviationCheck(_check_layer(p, inp.num_layers, alone=True), spend, sink=p.probe_sink)
     return make_plan(inp, "cachecraft", out, deviation=check)
 
 
-def _check_layer(config: CachecraftParams, num_layers: int) -> int:
-    """The check's layer: probe_check_layer, but below the top one (a check there could stop
-    no candidate), so a shallow model checks at its next-to-last layer."""
-    return min(max(config.probe_check_layer, 0), max(num_layers - 2, 0))
+def _check_layer(config: CachecraftParams, num_layers: int, alone: bool = False) -> int:
+    """The check's layer: probe_check_layer (check_alone_layer for a check without a probe,
+    when set), but below the top one (a check there could stop no candidate), so a shallow
+    model checks at its next-to-last layer."""
+    layer = config.probe_check_layer
+    if alone and config.check_alone_layer is not None:
+        layer = config.check_alone_layer
+    return min(max(layer, 0), max(num_layers - 2, 0))
 
 
 def probe_cost(
