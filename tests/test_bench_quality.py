@@ -177,7 +177,7 @@ def test_sweep_has_a_point_per_parameter(tiny: LoadedModel) -> None:
 
 
 def test_equal_flops_arms_are_matched_by_position(tiny: LoadedModel) -> None:
-    probe = {"cachecraft": {"probe_depth": 0.5, "probe_check": 3.0}}
+    probe = {"cachecraft": {"probe_depth": 0.5, "probe_check": 3.0, "probe_skip_wide": False}}
     arms = ["cachecraft", "epic", "epic-flops", "cacheblend", "cacheblend-flops", "prophet-flops"]
     res = run_quality(tiny, _items(4), arms, configs=probe, warmup=1, max_tokens=2, progress=False)
     requests = res["workloads"]["workload"]["requests"]

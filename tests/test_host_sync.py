@@ -126,8 +126,10 @@ def _answers(
         outs = llm.generate(hits, four, "cachecraft", keep_logits=True)
     assert not seen
     rows = [[c.tokens_recomputed for c in o.report.chunks] for o in outs]
-    for o in outs:  # every chunk hit and ran the probe and the check
-        assert all(c.is_hit for c in o.report.chunks) and o.report.probe_tokens > 0
+    probed = reuse.get("probe_skip_wide", True) is False  # short chunks: else no probe
+    for o in outs:  # every chunk hit and ran the check, and the probe where it runs
+        assert all(c.is_hit for c in o.report.chunks)
+        assert (o.report.probe_tokens > 0) == probed
     logits = [o.first_token_logits for o in outs]
     assert all(x is not None for x in logits)
     return rows, [o.token_ids for o in outs], logits  # type: ignore[return-value]
@@ -136,11 +138,17 @@ def _answers(
 @pytest.mark.parametrize(
     "reuse",
     [
-        {"probe_check_layer": 1},  # rows stop after layer 1 of 4: compaction runs
-        {"probe_check_layer": 1, "probe_depth": 0.5, "probe_split": "need"},  # probe stops
-        {},
+        {"probe_check_layer": 1, "probe_skip_wide": False},  # rows stop after layer 1 of 4
+        {
+            "probe_check_layer": 1,
+            "probe_depth": 0.5,
+            "probe_split": "need",
+            "probe_skip_wide": False,
+        },
+        {"probe_skip_wide": False},
+        {},  # these chunks are short: the check of every reused token, no probe
     ],
-    ids=["check-layer-1", "shallow-probe", "default"],
+    ids=["check-layer-1", "shallow-probe", "probe", "default"],
 )
 def test_a_cachecraft_hit_reads_nothing_back_inside_the_layer_loop(
     tiny: LoadedModel, reuse: dict[str, Any]

@@ -44,6 +44,10 @@ def variant(key, s_old=(), inter=(), cci=0.8, prefix="P", exact=True, scores=Non
 
 
 def plan(mode, variants, lay, config=None, budgets=None) -> RecomputePlan:
+    # These chunks are a few tokens, so a probe's candidates would be all of them and
+    # probe_skip_wide would skip every probe: the probe's tests keep it (its own test says).
+    if mode == "cachecraft":
+        config = {"probe_skip_wide": False, **(config or {})}
     strategy, reuse = settings(mode, config)
     return plan_request(lay, variants, strategy, reuse, 30, budgets)
 
@@ -383,7 +387,7 @@ def test_a_probe_dearer_than_its_budget_gives_its_rows_to_a_check_of_every_token
     assert p.num_rows == 6 + 4 + 2  # X, every A token to the check layer, the question
     # a shallow model checks below its top layer, where a check could still stop candidates
     for num_layers, want in ((4, 2), (3, 1), (1, 0)):
-        at_budget = dict(probe_max_cost=1.0)
+        at_budget = dict(probe_max_cost=1.0, probe_skip_wide=False)
         shallow = plan_request(lay, variants, *settings("cachecraft", at_budget), num_layers, None)
         assert shallow.probe is not None and shallow.probe.check_layer == want
         cheap = dict(probe_max_cost=0.5, probe_trim=False)
@@ -412,9 +416,12 @@ def test_a_probe_that_would_rank_nothing_out_gives_its_rows_to_a_check_of_every_
     # With probe_check 3 its candidates (6) would be all of A anyway: probe_skip_wide skips it.
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}
-    base = dict(probe_max_cost=None)
-    assert plan("cachecraft", variants, lay, base).probe is not None  # off by default
+    assert CachecraftParams().probe_skip_wide  # the default (plan() here turns it off)
+    base = dict(probe_max_cost=1.0)  # the probe's cost (2.0) is within its cap
+    assert plan("cachecraft", variants, lay, base).probe is not None
     wide = dict(base, probe_skip_wide=True)
+    uncapped = plan("cachecraft", variants, lay, dict(wide, probe_max_cost=None))
+    assert uncapped.probe is not None  # no cap: the probe always runs
     p = plan("cachecraft", variants, lay, wide)
     a = p.chunks[1]
     assert p.probe is None and p.deviation is not None and p.probe_cost == 0.0
@@ -428,6 +435,19 @@ def test_a_probe_that_would_rank_nothing_out_gives_its_rows_to_a_check_of_every_
     # ... and so does one with no check (probe_check 0: the probe alone picks)
     alone = plan("cachecraft", variants, lay, dict(wide, probe_check=0.0))
     assert alone.probe is not None and alone.deviation is None
+
+
+def test_a_check_without_a_probe_leaves_exact_chunks_alone() -> None:
+    # A made after this very prefix (exact here) and B reused after another chunk: the check
+    # of every reused token takes B's tokens only (A's K/V are a full prefill's already).
+    lay = layout("A", "B")
+    variants = {"A": [variant("A")], "B": [variant("B", ("Y",))]}
+    p = plan("cachecraft", variants, lay, dict(probe_max_cost=0.0, probe_trim=False))
+    a, b = p.chunks
+    assert p.probe is None and p.deviation is not None
+    assert a.is_exact and a.recompute == () and a.select == "planned"
+    assert b.select == "deviation" and b.recompute == tuple(range(SIZES["B"]))
+    assert p.deviation.total == b.budget > 0
 
 
 def test_a_skipped_probe_gives_the_share_of_its_rows_it_is_told_to() -> None:

@@ -147,7 +147,14 @@ def test_a_probe_dearer_than_its_budget_is_replaced_by_a_check_of_every_token(
 ) -> None:
     def run(max_cost: float | None, **kw):
         store = MemoryStore(2 << 30, storage_dtype="float32")
-        llm = LLM(str(tiny_dir), store=store, focus_threshold=0.0, probe_max_cost=max_cost, **kw)
+        llm = LLM(
+            str(tiny_dir),
+            store=store,
+            focus_threshold=0.0,
+            probe_max_cost=max_cost,
+            probe_skip_wide=False,  # the probe's candidates would be every token here
+            **kw,
+        )
         _run(llm, _req([0, 1, 2]), "cachecraft")
         return _run(llm, _req([2, 1, 0]), "cachecraft").report
 
@@ -177,7 +184,8 @@ def test_a_probe_dearer_than_its_budget_is_replaced_by_a_check_of_every_token(
 
 
 def test_a_shallow_probe_costs_its_rows_times_the_layers_it_ran(tiny_dir: Path) -> None:
-    llm = LLM(str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"), probe_depth=0.5)
+    store = MemoryStore(2 << 30, storage_dtype="float32")
+    llm = LLM(str(tiny_dir), store=store, probe_depth=0.5, probe_skip_wide=False)
     _run(llm, _req([0, 1, 2]), "cachecraft")
     out = _run(llm, _req([2, 1, 0]), "cachecraft")
     rep = out.report

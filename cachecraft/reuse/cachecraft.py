@@ -9,7 +9,8 @@ request's budget; a probe of the question ranks the tokens and, with probe_check
 top-ranked run to a check layer where question attention x K/V deviation picks the ones that go
 on (selectors.select_by_question). A probe costing more than probe_max_cost x the budget is
 trimmed to the question's last rows that fit (probe_trim) or replaced by a check of every
-reused token at budget + probe cost.
+reused token at budget + probe cost; so is a probe whose candidates would be every reused token
+anyway (probe_skip_wide: many short chunks), since it would rank nothing out.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from cachecraft.config import check_fields, ranged
-from cachecraft.reuse.modes import PlanInput, fix_count, given_budget, hit, make_plan, miss
+from cachecraft.reuse.modes import (
+    PlanInput,
+    fix_count,
+    given_budget,
+    hit,
+    make_plan,
+    mark_exact,
+    miss,
+)
 from cachecraft.reuse.plan import ChunkPlan, DeviationCheck, ProbeCheck, PromptLayout, RecomputePlan
 from cachecraft.reuse.plan import probe_rows as _probe_rows
 from cachecraft.reuse.selectors import spread_by_size
@@ -61,14 +70,16 @@ class CachecraftParams(ScoringRules):
     probe_last_row: float = ranged(0.5, 0.0, 1.0)
     """Share of the probe's measure taken from the question's last row."""
     probe_max_cost: float | None = ranged(0.5, 0.0)
-    """The probe costs at most this many times the budget it steers (None: no cap)."""
+    """The probe costs at most this many times the budget it steers (None: no cap, and the
+    probe runs even where probe_skip_wide would skip it)."""
     probe_skip_share: float = ranged(1.0, 0.0, 1.0)
     """Share of the probe cost cut by probe_max_cost that is added to the budget."""
     probe_trim: bool = True
     """A probe over its cost is trimmed to the question's last rows (False: skipped)."""
-    probe_skip_wide: bool = False
+    probe_skip_wide: bool = True
     """No probe when its candidates would be every reused token anyway (probe_check x budget
-    >= the reused tokens: it would rank nothing out); its cost goes to a check of them all."""
+    >= the reused tokens: it would rank nothing out); its cost goes to a check of them all.
+    Needs a probe_max_cost (None: always probe)."""
     check_alone_layer: int | None = ranged(None, 0)
     """The layer of a check run without a probe (None: probe_check_layer)."""
 
@@ -150,7 +161,8 @@ def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
         return make_plan(inp, "cachecraft", [_planned(c) for c in chunks])
     cost = probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers)
     reused = sum(c.slot.num_tokens for c in chunks if c.select == "probe")
-    if p.probe_skip_wide and p.probe_check > 0 and p.probe_check * total >= reused:
+    wide = p.probe_check > 0 and p.probe_check * total >= reused
+    if p.probe_skip_wide and p.probe_max_cost is not None and wide:
         extra = math.ceil(p.probe_skip_share * cost - 1e-9)
         return _check_instead_of_probe(inp, p, chunks, total + extra)
     rows = None  # the question rows the probe runs (None: all of them)
@@ -200,8 +212,17 @@ def _check_instead_of_probe(
     """cachecraft when its probe would cost more than the recompute it steers: `spend` tokens
     (the budget plus the probe's cost, at most every reused token), every reused token a
     candidate at the check layer: each chunk's first probe_sink tokens keep going, then the
-    ones whose K/V deviate most across chunks (CacheBlend's check, with the probe's sink)."""
-    sizes = {i: c.slot.num_tokens for i, c in enumerate(chunks) if c.select == "probe"}
+    ones whose K/V deviate most across chunks (CacheBlend's check, with the probe's sink). A
+    chunk whose K/V are exact here (its variant made after this very prefix and chunks) is left
+    out: recomputing it would change nothing."""
+    exact = mark_exact(chunks, inp.layout)  # exact K/V: recomputing them changes nothing
+    sizes = {
+        i: c.slot.num_tokens
+        for i, c in enumerate(chunks)
+        if c.select == "probe" and not exact[i].is_exact
+    }
+    if not sizes:
+        return make_plan(inp, "cachecraft", [_planned(c) for c in chunks])
     spend = min(spend, sum(sizes.values()))
     shares = spread_by_size(spend, sizes)  # chunk budgets add up to the check's total
     out = [
@@ -213,7 +234,7 @@ def _check_instead_of_probe(
             reason=c.reason + "+check",
         )
         if i in sizes
-        else c
+        else _planned(c)
         for i, c in enumerate(chunks)
     ]
     check = DeviationCheck(_check_layer(p, inp.num_layers, alone=True), spend, sink=p.probe_sink)
