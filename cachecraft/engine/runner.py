@@ -248,7 +248,7 @@ class Runner:
             if spliced.probe.scratch is not None:  # it ran: its scratch is free again
                 self.scratches.give(spliced.probe.scratch)
                 spliced.probe.scratch = None
-        rows = plan.rows()  # through numpy: torch.tensor of a long tuple is ~4x slower
+        rows = plan.rows()  # through numpy: torch.tensor reads a long tuple item by item
         token_ids = plan.layout.token_ids
         positions = torch.from_numpy(np.array(rows, dtype=np.int64))
         ids = torch.from_numpy(np.fromiter((token_ids[p] for p in rows), np.int64, len(rows)))

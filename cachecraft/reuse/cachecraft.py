@@ -209,13 +209,13 @@ def _planned(c: ChunkPlan) -> ChunkPlan:
 def _check_instead_of_probe(
     inp: PlanInput, p: CachecraftParams, chunks: Sequence[ChunkPlan], spend: int
 ) -> RecomputePlan:
-    """cachecraft when its probe would cost more than the recompute it steers: `spend` tokens
-    (the budget plus the probe's cost, at most every reused token), every reused token a
-    candidate at the check layer: each chunk's first probe_sink tokens keep going, then the
-    ones whose K/V deviate most across chunks (CacheBlend's check, with the probe's sink). A
-    chunk whose K/V are exact here (its variant made after this very prefix and chunks) is left
-    out: recomputing it would change nothing."""
-    exact = mark_exact(chunks, inp.layout)  # exact K/V: recomputing them changes nothing
+    """cachecraft without its probe (dearer than the recompute it steers, or ranking nothing
+    out): `spend` tokens (the budget plus the probe's cost, at most every reused token), every
+    reused token a candidate at the check layer: each chunk's first probe_sink tokens keep
+    going, then the ones whose K/V deviate most across chunks (CacheBlend's check, with the
+    probe's sink). A chunk whose K/V are exact here (its variant made after this very prefix
+    and chunks) is left out: recomputing it would change nothing."""
+    exact = mark_exact(chunks, inp.layout)
     sizes = {
         i: c.slot.num_tokens
         for i, c in enumerate(chunks)
