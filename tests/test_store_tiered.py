@@ -125,13 +125,23 @@ def test_gpu_memory_host_disk_cascade(tmp_path: Path) -> None:
         store.check_integrity()
     assert c.variant_id in store.ram[0] and b.variant_id in store.ram[1]
     assert store.ram[0].get(c.variant_id).keys.is_cuda  # type: ignore[union-attr]
-    assert not store.ram[1].get(b.variant_id).keys.is_cuda  # type: ignore[union-attr]
+    held = store.ram[1].get(b.variant_id)
+    assert held is not None and not held.keys.is_cuda
+    assert held.keys.is_pinned() and held.values.is_pinned()  # its promotion copies async
     got = store.load(b.variant_id)  # host -> memory; c demoted to host
     assert got is not None and got.keys.is_cuda and torch.equal(got.keys.cpu(), b.keys)
+    assert store.ram[1].get(c.variant_id).keys.is_pinned()  # type: ignore[union-attr]
     got = store.load(a.variant_id)  # disk -> memory
     assert got is not None and got.keys.is_cuda
     store.check_integrity()
     assert store.stats().hits == {"host": 1, "disk": 1}
+
+
+def test_only_a_host_tier_pins() -> None:
+    from cachecraft.store.ram_tier import RamTier
+
+    with pytest.raises(ValueError, match="host tier"):
+        RamTier("memory", SIZE, "meta", pin=True)
 
 
 def test_prefetch_concurrent_with_offers_and_demotions(tmp_path: Path) -> None:

@@ -2,6 +2,10 @@
 
 Owns the tensors and a per-chunk index; never chooses victims: `put` evicts what the caller's
 `choose` picks (the tiered store's eviction policy). Not thread-safe: the store locks.
+
+A host tier beside a CUDA memory tier keeps its tensors in pinned (page-locked) memory
+(`pin`): a copy from pageable memory to the GPU is staged through a bounce buffer and blocks
+the host, so only a pinned variant's promotion overlaps with the running forward.
 """
 
 from __future__ import annotations
@@ -15,10 +19,16 @@ from cachecraft.store.variant import Variant
 
 
 class RamTier:
-    def __init__(self, name: str, capacity_bytes: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, name: str, capacity_bytes: int, device: torch.device | str = "cpu", pin: bool = False
+    ) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.device = torch.device(device)
+        if pin and self.device.type != "cpu":
+            raise ValueError("only a host tier pins its tensors")
+        self.pin = pin
+        """Host tensors are kept page-locked (needs CUDA: the tier beside a CUDA memory tier)."""
         self._variants: dict[str, Variant] = {}
         self._by_chunk: dict[str, list[str]] = {}
         self.nbytes = 0
@@ -78,6 +88,8 @@ class RamTier:
                 variant.keys.to(self.device, non_blocking=ahead),
                 variant.values.to(self.device, non_blocking=ahead),
             )
+        if self.pin and not variant.keys.is_pinned():
+            variant = Variant(variant.meta, variant.keys.pin_memory(), variant.values.pin_memory())
         self._variants[vid] = variant
         self._by_chunk.setdefault(variant.chunk_key, []).append(vid)
         self.nbytes += variant.nbytes

@@ -55,7 +55,8 @@ class TieredStore(Placement):
         device = torch.device(config.device)
         self.ram: list[RamTier] = [RamTier("memory", config.memory_bytes, device)]
         if device.type != "cpu" and config.host_bytes > 0:
-            self.ram.append(RamTier("host", config.host_bytes, "cpu"))
+            pin = device.type == "cuda"  # its promotions to the GPU then copy asynchronously
+            self.ram.append(RamTier("host", config.host_bytes, "cpu", pin=pin))
         self.disk = (
             DiskTier(config.cache_dir, config.disk_bytes, config.int8)
             if config.cache_dir and config.disk_bytes > 0
