@@ -34,7 +34,11 @@ class EngineConfig:
     several steps, the others' decodes going on between them (plans whose in-forward checks
     need all rows at once always run whole); kv_warm_positions: positions of every free pool
     slot whose pages the step thread maps while it has nothing else to do (`KVPool.warm_step`;
-    ~70 MB a slot for SmolLM2 at 1,024; 0: none). Caller-driven engines (`LLM`) never idle."""
+    ~70 MB a slot for SmolLM2 at 1,024; 0: none). Caller-driven engines (`LLM`) never idle.
+    admit_in_step: requests that arrived while a step ran are admitted (planned, prefetched,
+    queued) right after its forward is launched and before its results are read, so that on an
+    accelerator their planning runs while its kernels do (None: on an accelerator only; on a
+    CPU the forward is over when it returns, so nothing would overlap)."""
 
     token_budget: int = 2048
     max_running: int = 16
@@ -43,6 +47,7 @@ class EngineConfig:
     kv_pool_mib: int = 4096
     chunked_prefill: bool = True
     kv_warm_positions: int = 1024
+    admit_in_step: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in STRATEGIES:

@@ -82,6 +82,10 @@ class Engine:
         self.num_threads = torch.get_num_threads()
         """torch threads of the step thread: the creating thread's count (cachecraft/env.py)."""
         model = runner.loaded.model
+        self.admit_in_step = (
+            model.device.type != "cpu" if c.admit_in_step is None else c.admit_in_step
+        )
+        """EngineConfig.admit_in_step, resolved for the model's device."""
         self.pool: KVPool | None = None
         if c.kv_pool_mib:
             self.pool = KVPool(
@@ -287,6 +291,16 @@ class Engine:
         self._live.clear()
 
     # ---- one request's way through ------------------------------------------------------------
+    def _admit_arrivals(self) -> None:
+        """Admit the requests queued since this step began (EngineConfig.admit_in_step). Their
+        plans are made before this step's variants are stored, which costs nothing: a prefill
+        plans again when it starts. Aborts and calls wait for the next step; an abort of a
+        request admitted here finds it queued."""
+        with self._wake:
+            inbox, self._inbox = list(self._inbox), deque()
+        for live in inbox:
+            self._admit(live)
+
     def _admit(self, live: Live) -> None:
         """Plan (store metadata only), prefetch the chosen variants, queue for the scheduler.
         An error fails this request alone: a planning one (context length, ...) as a Failed
@@ -341,6 +355,8 @@ class Engine:
         self.num_steps += 1
         t_step = time.perf_counter()
         results, decode_logits = self.batches.forward(batch)
+        if self.admit_in_step:  # before anything below waits for the forward's kernels
+            self._admit_arrivals()
         outcomes: list[PrefillOutcome] = []
         for (rid, is_prefill), result in zip(batch.order, results, strict=True):
             live = self._live.get(rid)
