@@ -22,7 +22,7 @@ from cachecraft.engine.report import ChunkReport, RequestReport
 from cachecraft.engine.sampling import SamplingParams
 from cachecraft.errors import BadRequestError
 from cachecraft.llm import LLM, Answer, RequestOutput
-from cachecraft.model.loader import LoadedModel, load_model, resolve_model_dir
+from cachecraft.model.loader import LoadedModel, default_dtype, load_model, resolve_model_dir
 from cachecraft.model.reference import greedy_tokens, prefill
 from cachecraft.model.shapes import SHAPES
 from cachecraft.request import RagRequest
@@ -103,6 +103,7 @@ __all__ = [
     "chat_request",
     "check_fields",
     "close_stack",
+    "default_dtype",
     "first_n",
     "fix_count",
     "given_budget",

@@ -91,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument(
         "--model", default=None, help="HF dir, .gguf or a named model (default: bundled)"
     )
-    ask.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ask.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="default: bfloat16 on a GPU, float32 on a CPU",
+    )
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--cache-dir", default=None, help="keep chunk-caches on disk here")
     ask.add_argument("--config", default=None, help="calibration file (cachecraft calibrate)")

@@ -144,7 +144,7 @@ class LLM:
         self,
         model: str | LoadedModel | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str | None = None,
         device: str = "cpu",
         store: ChunkStore | StoreConfig | None = None,
         config: ReuseConfig | None = None,

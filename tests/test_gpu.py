@@ -33,7 +33,7 @@ def test_every_mode_told_to_compute_everything_equals_full_on_cuda(
     tiny_dir: Path, mode: str, extra: dict
 ) -> None:
     store = MemoryStore(2 << 30, storage_dtype="float32")
-    llm = LLM(str(tiny_dir), device="cuda", store=store, **{**EVERYTHING, **extra})
+    llm = LLM(str(tiny_dir), device="cuda", dtype="float32", store=store, **{**EVERYTHING, **extra})
     _run(llm, _req([0, 1, 2]), "naive")  # warm: every chunk becomes a variant
     request = _req([2, 0, 3, 1])
     full = _run(llm, request, "full")
@@ -50,7 +50,8 @@ def test_a_cuda_model_answers_as_the_cpu_model(tiny_dir: Path, mode: str) -> Non
     repeat) on both devices: the same chunks hit, the same tokens come out, and the first
     token's logits agree to float32 rounding across kernels."""
     cpu = LLM(str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"))
-    gpu = LLM(str(tiny_dir), device="cuda", store=MemoryStore(2 << 30, storage_dtype="float32"))
+    store = MemoryStore(2 << 30, storage_dtype="float32")
+    gpu = LLM(str(tiny_dir), device="cuda", dtype="float32", store=store)
     assert gpu.loaded.model.device.type == "cuda"
     hits = []
     for order in ([0, 1, 2], [2, 0, 1], [2, 0, 1]):
@@ -63,8 +64,13 @@ def test_a_cuda_model_answers_as_the_cpu_model(tiny_dir: Path, mode: str) -> Non
     assert any(hits[1] + hits[2]) == (mode != "full")  # reordered or repeated: reused
 
 
+def test_a_model_on_cuda_is_bfloat16_unless_told(tiny_dir: Path) -> None:
+    assert LLM(str(tiny_dir), device="cuda").loaded.model.dtype == torch.bfloat16
+    assert LLM(str(tiny_dir), device="cuda", dtype="float32").loaded.model.dtype == torch.float32
+
+
 def test_requests_given_together_on_cuda_equal_alone(tiny_dir: Path) -> None:
-    llm = LLM(str(tiny_dir), device="cuda")
+    llm = LLM(str(tiny_dir), device="cuda", dtype="float32")
     requests = [_req([0]), _req([1, 2], "Where is it?"), _req([2, 1, 0, 3], "What is it?")]
     alone = [_run(llm, r, "full").token_ids for r in requests]
     together = llm.generate(requests, GREEDY, "full")
@@ -115,7 +121,10 @@ def test_a_server_on_cuda_reuses_chunks_from_its_gpu_memory_tier(
         device="cuda", cache_dir=str(tmp_path / "cache"), storage_dtype="float32",
         doorkeeper_threshold=1,
     )  # fmt: skip
-    with start_server("cachecraft", model=str(tiny_dir), device="cuda", store=store) as url:
+    server = start_server(
+        "cachecraft", model=str(tiny_dir), device="cuda", dtype="float32", store=store
+    )
+    with server as url:
         full = ask(url, [DOC], "full")
         first, second = ask(url, [DOC]), ask(url, [DOC])
         assert _hits(first) == [False] and _hits(second) == [True]
@@ -137,7 +146,11 @@ def test_a_cachecraft_hit_on_cuda_never_synchronises_inside_the_layer_loop(
     def answers(guarded: bool) -> tuple[list[list[int]], list[list[int]]]:
         store = StoreConfig(memory_bytes=1 << 30, device="cuda", storage_dtype="float32")
         llm = LLM(
-            str(tiny_dir), device="cuda", store=store, config=ReuseConfig(probe_check_layer=1)
+            str(tiny_dir),
+            device="cuda",
+            dtype="float32",
+            store=store,
+            config=ReuseConfig(probe_check_layer=1),
         )
         m = llm.loaded
         words = ["river", "harbor", "tower", "garden", "castle", "meadow"]

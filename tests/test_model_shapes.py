@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cachecraft.errors import ModelLoadError
-from cachecraft.model.loader import load_model
+from cachecraft.model.loader import default_dtype, load_model
 from cachecraft.model.reference import prefill
 from cachecraft.model.shapes import SHAPES
 
@@ -29,3 +29,12 @@ def test_a_shape_loads_with_its_config_and_the_same_weights_every_time() -> None
 def test_an_unknown_shape_names_the_known_ones() -> None:
     with pytest.raises(ModelLoadError, match="llama-8b"):
         load_model("shape:llama-80b")
+
+
+def test_the_dtype_follows_the_device_unless_given() -> None:
+    assert default_dtype("cpu") == "float32"
+    assert default_dtype("cuda:1") == "bfloat16"  # a name: no CUDA needed to resolve it
+    assert load_model("shape:tiny").model.dtype == torch.float32
+    assert load_model("shape:tiny", "bfloat16").model.dtype == torch.bfloat16
+    with pytest.raises(ModelLoadError, match="unknown device"):
+        load_model("shape:tiny", device="tpu:x")

@@ -167,14 +167,27 @@ def resolve_model_dir(spec: str | None, cache_dir: Path | None = None) -> Path:
     return path
 
 
+def default_dtype(device: str | torch.device) -> str:
+    """The dtype a model gets when none is asked for: bfloat16 on a GPU (its tensor cores'
+    type, and half the memory traffic), float32 on a CPU (bfloat16 is emulated, several times
+    slower, on CPUs without AMX or AVX512-BF16)."""
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
 def load_model(
     spec: str | None = None,
-    dtype: str = "float32",
+    dtype: str | None = None,
     device: str = "cpu",
     cache_dir: Path | None = None,
 ) -> LoadedModel:
     """Load the model named by `spec` (None: the bundled SmolLM2-135M-Instruct; `shape:NAME`:
-    a model of that shape with random weights and the bundled tokenizer, model/shapes.py)."""
+    a model of that shape with random weights and the bundled tokenizer, model/shapes.py) in
+    `dtype` (None: `default_dtype(device)`)."""
+    if dtype is None:
+        try:
+            dtype = default_dtype(device)
+        except (RuntimeError, TypeError) as e:
+            raise ModelLoadError(f"unknown device {device!r} ({e})") from None
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     try:

@@ -42,10 +42,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument(
         "--dtype",
-        default="float32",
+        default=None,
         choices=tuple(DTYPES),
-        help="weights and compute (bfloat16: ~3x faster prefill on CPUs with AMX, ~5x slower "
-        "on those without; see docs/performance.md)",
+        help="weights and compute (default: bfloat16 on a GPU, float32 on a CPU; bfloat16 on "
+        "a CPU: ~3x faster prefill with AMX, ~5x slower without; see docs/performance.md)",
     )
     p.add_argument(
         "--device",

@@ -44,7 +44,7 @@ def build_stack(
     mode: str | None = None,
     *,
     model: str | None = None,
-    dtype: str = "float32",
+    dtype: str | None = None,
     device: str = "cpu",
     loaded: LoadedModel | None = None,
     reuse: ReuseConfig | None = None,
@@ -53,7 +53,8 @@ def build_stack(
 ) -> Stack:
     """A started Engine for `mode` (the server default; requests may override it) over a store
     built from `store`. `mode` and `engine.mode` are one setting: two different values are an
-    error; so are both `model` and `loaded`. `dtype` is the weights' and the compute's, `device`
+    error; so are both `model` and `loaded`. `dtype` is the weights' and the compute's (None: bfloat16 on a GPU, float32
+    on a CPU), `device`
     where they live (`model` only: a `loaded` model has its own; the store's memory tier lives
     on `store.device`)."""
     if model is not None and loaded is not None:

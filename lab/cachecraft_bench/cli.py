@@ -23,7 +23,8 @@ def _bench_model(args: argparse.Namespace) -> int:
 
     if args.shape:  # random weights: nothing to compare with HF, only our own timings
         m = load_model(f"shape:{args.shape}", args.dtype, args.device)
-        result = {"model": m.name, "device": args.device, "dtype": args.dtype}
+        dtype = str(m.model.dtype).removeprefix("torch.")
+        result = {"model": m.name, "device": args.device, "dtype": dtype}
         result.update(host_overhead(m, args.repeats))
         print(json.dumps(result) if args.json else json.dumps(result, indent=1))
         return 0
@@ -64,7 +65,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a model of this shape with random weights: the host-overhead meter alone",
     )
     model.add_argument("--device", default="cpu", help="cpu or cuda")
-    model.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    model.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="default: bfloat16 on a GPU, float32 on a CPU",
+    )
     model.set_defaults(func=_bench_model)
     for add in (
         add_bench_quality_parser,

@@ -146,7 +146,12 @@ def _add_common_flags(parser: argparse.ArgumentParser, seed: int) -> None:
     parser.add_argument(
         "--model", default=None, help="HF dir, .gguf or a named model (default: bundled)"
     )
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="default: bfloat16 on a GPU, float32 on a CPU",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--config", default=None, help="config file (default ./cachecraft.json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -11,7 +11,7 @@ import json
 import math
 import sys
 
-from cachecraft.api import SHAPES
+from cachecraft.api import SHAPES, default_dtype
 from cachecraft.errors import CachecraftError
 from cachecraft_bench.own_server import server_process
 from cachecraft_bench.peer_vllm import PeerConfig
@@ -186,9 +186,10 @@ def add_bench_serve_parser(
     )
     parser.add_argument(
         "--dtype",
-        default="float32",
+        default=None,
         choices=("float32", "bfloat16"),
-        help="weights and compute of every system, vLLM included",
+        help="weights and compute of every system, vLLM included (default: bfloat16 on a GPU, "
+        "float32 on a CPU)",
     )
     parser.add_argument(
         "--device", default="cpu", help="where our servers run (cpu, cuda); vLLM runs on a CPU"
@@ -250,8 +251,9 @@ def main_serve_bench(args: argparse.Namespace) -> int:
     # our servers in vLLM's dtype, with the environment tuning every system gets
     factory = functools.partial(args.server_factory, tuned=args.env_tuning == "ours")
     extra: list[str] = []
-    if args.dtype != "float32":
-        extra += ["--dtype", args.dtype]
+    dtype = args.dtype or default_dtype(args.device)
+    if dtype != "float32":
+        extra += ["--dtype", dtype]
     if args.device != "cpu":
         extra += ["--device", args.device]
     if args.shape:
@@ -273,7 +275,7 @@ def main_serve_bench(args: argparse.Namespace) -> int:
         progress=_print_progress,
         bursts=args.bursts,
         refine=args.refine,
-        dtype=args.dtype,
+        dtype=dtype,
         client=args.client,
         repeats=args.repeats,
         fractions=args.capacity_fractions,
