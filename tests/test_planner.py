@@ -352,3 +352,23 @@ def test_probe_sink_ranks_each_chunks_first_tokens_first(check: float) -> None:
     assert all(0 in c.recompute for c in picked)
     assert not any(0 in c.recompute for c in plain.chunks if c.variant is not None)
     assert sum(c.budget for c in sunk.chunks) == sum(c.budget for c in plain.chunks)
+
+
+def test_a_judged_sink_is_a_candidate_weighed_by_its_own_attention() -> None:
+    """probe_sink_kept False: the first token still becomes a check candidate, but the check
+    weighs it by its own (lowest) attention, not by the lift; a check without a probe then
+    lifts no first tokens."""
+    base = dict(CONFIG, probe_check=3.0, probe_sink=1, probe_max_cost=None)
+    kept = resolved(plan("cachecraft", config=base))
+    judged = resolved(plan("cachecraft", config=dict(base, probe_sink_kept=False)))
+    assert [c.recompute for c in kept.chunks] == [c.recompute for c in judged.chunks]
+    assert kept.deviation is not None and judged.deviation is not None
+    for k, j, c in zip(kept.deviation.weights, judged.deviation.weights, kept.chunks, strict=True):
+        if k is None or 0 not in c.recompute:
+            continue
+        first = c.recompute.index(0)
+        assert k[first] == max(k) and j[first] == min(j)  # attention rises along the chunk
+    alone = dict(base, probe_max_cost=0.0, probe_trim=False)
+    assert plan("cachecraft", config=alone).deviation.sink == 1  # type: ignore[union-attr]
+    no_lift = plan("cachecraft", config=dict(alone, probe_sink_kept=False))
+    assert no_lift.deviation is not None and no_lift.deviation.sink == 0

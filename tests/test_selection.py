@@ -69,6 +69,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # ReuseConfig fields and the cachecraft 
     "chunk": {"probe_split": "chunk"},
     "no-check": {"probe_check": 0.0},
     "no-sink": {"probe_sink": 0, "probe_check_power": 1.0},
+    "sink-judged": {"probe_sink_kept": False},
     "blend": {"probe_blend": 0.5, "probe_check_score": "deviation"},
     "need-no-check": {"probe_split": "need", "probe_check": 0.0, "focus_threshold": 0.0},
 }

@@ -51,9 +51,11 @@ def select_on_device(
             [torch.tensor(plan.chunks[i].variant.token_scores, dtype=f64) for i in idx]  # type: ignore[union-attr]
         ).to(device)
         scores = _scaled(att, chunk_of, num) + probe.blend * _scaled(stored, chunk_of, num)
+    judged = scores  # what the check weighs a candidate by
     if probe.sink > 0:
         lift = 1.0 + scores.max().clamp(min=0.0)
         scores = torch.where(offset < probe.sink, scores + lift, scores)
+        judged = scores if probe.sink_kept else judged
     weight = _weights(plan, idx, att, chunk_of, num)  # per probed chunk, host floats
     eligible = sum(s for s, w in zip(sizes, weight, strict=True) if w > 0)
     order = _global_order(scores, chunk_of, weight, device)
@@ -80,7 +82,7 @@ def select_on_device(
     values = None
     if checked:
         w = torch.tensor(weight, dtype=f64, device=device)[chunk_of[flat]]
-        values = ((w * scores[flat]) ** power).tolist()
+        values = ((w * judged[flat]) ** power).tolist()
     # the one transfer of the picks to the host, then cut per chunk (no loop over tokens)
     per_chunk = torch.bincount(chunk_of[flat], minlength=num).tolist()
     offsets_host = (flat - starts[chunk_of[flat]]).tolist()

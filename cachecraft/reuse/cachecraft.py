@@ -67,6 +67,9 @@ class CachecraftParams(ScoringRules):
     """Exponent of the question attention in the check's rank."""
     probe_sink: int = ranged(4, 0)
     """The first probe_sink tokens of every probed chunk rank first."""
+    probe_sink_kept: bool = True
+    """The check keeps those first tokens whatever it measures (False: they are candidates
+    it ranks like the others, and a check without a probe lifts none)."""
     probe_last_row: float = ranged(0.5, 0.0, 1.0)
     """Share of the probe's measure taken from the question's last row."""
     probe_max_cost: float | None = ranged(0.5, 0.0)
@@ -130,6 +133,7 @@ def make_probe(
         check_score=c.probe_check_score,
         num_layers=inp.num_layers,
         sink=sink,
+        sink_kept=c.probe_sink_kept,
         check_power=c.probe_check_power,
         last_row=c.probe_last_row,
         question_rows=question_rows,
@@ -237,7 +241,8 @@ def _check_instead_of_probe(
         else _planned(c)
         for i, c in enumerate(chunks)
     ]
-    check = DeviationCheck(_check_layer(p, inp.num_layers, alone=True), spend, sink=p.probe_sink)
+    sink = p.probe_sink if p.probe_sink_kept else 0
+    check = DeviationCheck(_check_layer(p, inp.num_layers, alone=True), spend, sink=sink)
     return make_plan(inp, "cachecraft", out, deviation=check)
 
 

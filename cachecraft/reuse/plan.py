@@ -201,6 +201,9 @@ class ProbeCheck:
     """The model's layers (0: unknown, the probe is taken to run them all)."""
     sink: int = 0
     """The first `sink` tokens of each probed chunk rank above every other token."""
+    sink_kept: bool = True
+    """With a check: the lifted first tokens keep their lift in its rank, so they go on
+    whatever their deviation (False: it ranks them by their own attention and deviation)."""
     check_power: float = 1.0
     """'product': the question attention enters the check's rank as attention ** this."""
     last_row: float = 0.0

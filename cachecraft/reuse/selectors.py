@@ -142,9 +142,9 @@ def select_by_question(
         if a is None or len(a) != plan.chunks[i].slot.num_tokens:
             raise ValueError(f"chunk {i} needs one attention value per token")
         att[i] = a
-    scores = _lift_sinks(
-        {i: _ranking_scores(plan.chunks[i], att[i], probe.blend) for i in idx}, probe.sink
-    )
+    base = {i: _ranking_scores(plan.chunks[i], att[i], probe.blend) for i in idx}
+    scores = _lift_sinks(base, probe.sink)
+    judged = scores if probe.sink_kept else base  # what the check weighs a candidate by
     weight = _weights(plan, idx, att)
     if probe.split == "chunk":
         counts = {i: plan.chunks[i].budget for i in idx}
@@ -168,7 +168,7 @@ def select_by_question(
             )
             continue
         picked = top_scored(scores[i], wide[i])
-        weights[i] = tuple((weight[i] * scores[i][t]) ** power for t in picked)
+        weights[i] = tuple((weight[i] * judged[i][t]) ** power for t in picked)
         chunks[i] = replace(
             chunks[i],
             recompute=picked,
