@@ -91,6 +91,7 @@ def test_only_env_py_reads_the_environment() -> None:
         ({"refresh_repeats": "no"}, "refresh_repeats must be true or false"),
         ({"stats_stride": 2.5}, "stats_stride must be an integer"),
         ({"stats_stride": 0}, "stats_stride must be >= 1"),
+        ({"probe_sink": -1}, "probe_sink must be >= 0"),  # a strategy's parameter
     ],
 )
 def test_a_bad_value_in_the_config_file_stops_serve_in_one_line(
@@ -172,3 +173,30 @@ def test_serve_on_a_device_this_machine_lacks_stops_in_one_line(
     assert main(["serve", "--port", "0", "--cache-dir", "", "--device", device]) != 0
     err = capsys.readouterr().err
     assert err.startswith("error:") and needle in err and "Traceback" not in err, err
+
+
+def test_a_strategy_parameter_in_the_config_reaches_the_servers_requests(tiny_dir: Path) -> None:
+    """`serve` used to refuse a strategy's parameters (probe_sink_kept, ...) in cachecraft.json:
+    they now configure the registry the engine and every request's mode are resolved in."""
+    from types import SimpleNamespace
+
+    from cachecraft.llm import configure
+    from cachecraft.server.launch import build_stack, close_stack
+    from cachecraft.server.protocol import ChatCompletionRequest
+    from cachecraft.server.validate import check_mode
+
+    reuse, strategies = configure({"probe_sink_kept": False, "alpha": 0.25})
+    stack = build_stack("cachecraft", model=str(tiny_dir), reuse=reuse, strategies=strategies)
+    try:
+        engine = stack.engine
+        assert engine.default_strategy.params.probe_sink_kept is False  # type: ignore[attr-defined]
+        assert engine.runner.reuse.alpha == 0.25
+        state = SimpleNamespace(engine=engine)
+        body = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert check_mode(state, body) is engine.default_strategy  # type: ignore[arg-type]
+        named = body.model_copy(update={"cachecraft_mode": "cachecraft"})
+        assert check_mode(state, named).params.probe_sink_kept is False  # type: ignore[arg-type, attr-defined]
+    finally:
+        close_stack(stack)

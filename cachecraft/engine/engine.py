@@ -41,7 +41,7 @@ from cachecraft.model.step import SeqResult
 from cachecraft.request import RagRequest
 from cachecraft.reuse.layout import PromptLayout
 from cachecraft.reuse.strategies import STRATEGIES
-from cachecraft.reuse.strategy import ReuseStrategy
+from cachecraft.reuse.strategy import ReuseStrategy, StrategyRegistry
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Engine:
         *,
         caller_driven: bool = False,
         strategy: ReuseStrategy | None = None,
+        strategies: StrategyRegistry | None = None,
     ) -> None:
         self.runner = runner
         self.caller_driven = caller_driven
@@ -100,7 +101,9 @@ class Engine:
         self._warm = False  # `_warm_kernels` ran
         self._prompts = PromptMemory()
         self.batches = BatchBuilder(runner, self.pool, self._live, self._fail)
-        self.default_strategy = strategy or STRATEGIES.get(c.mode)
+        self.strategies = strategies or STRATEGIES
+        """The strategies a request's mode names (a server's, with its parameters)."""
+        self.default_strategy = strategy or self.strategies.get(c.mode)
         """Requests submitted without a strategy use this one (`strategy`, else the one
         registered as EngineConfig.mode)."""
 

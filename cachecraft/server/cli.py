@@ -213,10 +213,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def main_serve(args: argparse.Namespace) -> int:
-    from cachecraft.llm import reuse_config
+    from cachecraft.llm import configure
     from cachecraft.server.launch import serve  # heavy imports only when serving
 
-    overrides = reuse_overrides(args)
+    reuse, strategies = configure(reuse_overrides(args))  # a strategy's parameters too
 
     # `cachecraft` already configured logging (WARNING, or INFO with -v): --log-level wins here
     setup_logging(args.log_level.upper())
@@ -280,7 +280,8 @@ def main_serve(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
-        reuse=reuse_config(**overrides),
+        reuse=reuse,
+        strategies=strategies,
         server=server,
         store=store,
         engine=engine,

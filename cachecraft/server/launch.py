@@ -22,6 +22,7 @@ from cachecraft.engine.engine import Engine, EngineConfig
 from cachecraft.engine.runner import Runner
 from cachecraft.errors import CachecraftError
 from cachecraft.model.loader import LoadedModel, load_model
+from cachecraft.reuse.strategy import StrategyRegistry
 from cachecraft.server.app import create_app
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.registry import open_registry
@@ -50,13 +51,14 @@ def build_stack(
     reuse: ReuseConfig | None = None,
     store: StoreConfig | None = None,
     engine: EngineConfig | None = None,
+    strategies: StrategyRegistry | None = None,
 ) -> Stack:
     """A started Engine for `mode` (the server default; requests may override it) over a store
     built from `store`. `mode` and `engine.mode` are one setting: two different values are an
-    error; so are both `model` and `loaded`. `dtype` is the weights' and the compute's (None: bfloat16 on a GPU, float32
-    on a CPU), `device`
-    where they live (`model` only: a `loaded` model has its own; the store's memory tier lives
-    on `store.device`)."""
+    error; so are both `model` and `loaded`. `dtype` is the weights' and the compute's (None:
+    bfloat16 on a GPU, float32 on a CPU), `device` where they live (`model` only: a `loaded`
+    model has its own; the store's memory tier lives on `store.device`). `strategies`: the
+    registry a mode is looked up in, with its strategies' parameters (default: STRATEGIES)."""
     if model is not None and loaded is not None:
         raise ValueError("give the model once: `model` (a path) or `loaded`, not both")
     config = engine or EngineConfig()
@@ -67,7 +69,7 @@ def build_stack(
     loaded = loaded or load_model(model, dtype, device)
     chunk_store = make_store(store or StoreConfig())
     runner = Runner(loaded, chunk_store, reuse or ReuseConfig())
-    return Stack(Engine(runner, config).start(), chunk_store)
+    return Stack(Engine(runner, config, strategies=strategies).start(), chunk_store)
 
 
 def close_stack(stack: Stack) -> None:
@@ -95,7 +97,7 @@ def start_server(
     **engine_kw: Any,
 ) -> Iterator[str]:
     """Serve on 127.0.0.1:<free port> in a thread; yields "http://127.0.0.1:PORT".
-    engine_kw go to `build_stack` (model, loaded, reuse, store, engine)."""
+    engine_kw go to `build_stack` (model, loaded, reuse, store, engine, strategies)."""
     stack = build_stack(mode, **engine_kw)
     registry = open_registry(engine_kw.get("store"))
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cachecraft.reuse.strategies import STRATEGIES
 from cachecraft.reuse.strategy import ReuseStrategy
 from cachecraft.server.config import ServerConfig
 from cachecraft.server.errors import ApiError, refuse
@@ -42,13 +41,14 @@ def check_mode(
     """The reuse strategy the request runs with (its own, else the server's), resolved here
     once: nothing below sees its name."""
     name = body.cachecraft_mode or state.engine.config.mode
-    if name not in STRATEGIES:
+    strategies = state.engine.strategies
+    if name not in strategies:
         raise ApiError(
             400,
-            f"cachecraft_mode {name!r}: choose one of {', '.join(STRATEGIES.names())}",
+            f"cachecraft_mode {name!r}: choose one of {', '.join(strategies.names())}",
             "invalid_request_error",
         )
-    return STRATEGIES.get(name)
+    return strategies.get(name)
 
 
 def check_fields(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
