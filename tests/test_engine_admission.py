@@ -37,13 +37,9 @@ def _drain(engine: Engine, handle: RequestHandle) -> tuple[list[Any], list[int]]
     return events, [e.token_id for e in events if isinstance(e, Token)]
 
 
-def _late_arrival(model: LoadedModel, admit_in_step: bool) -> tuple[bool, list[int], Engine]:
-    """FIRST runs; LATE is submitted while FIRST's first forward runs. (Was LATE planned
-    within that step, LATE's tokens, the engine.)"""
-    config = EngineConfig(admit_in_step=admit_in_step, kv_pool_mib=0)
-    engine = Engine(Runner(model, MemoryStore(1 << 28)), config, caller_driven=True)
-    assert engine.admit_in_step is admit_in_step  # given, whatever the device
-    first = engine.submit(FIRST, GREEDY)
+def _arrives_during_forward(engine: Engine, leaves: bool = False) -> list[RequestHandle]:
+    """LATE is submitted (and with `leaves` aborted at once) while the engine's first forward
+    runs: the list holds its handle from then on."""
     forward = engine.batches.forward
     late: list[RequestHandle] = []
 
@@ -51,9 +47,22 @@ def _late_arrival(model: LoadedModel, admit_in_step: bool) -> tuple[bool, list[i
         out = forward(batch)
         if not late:
             late.append(engine.submit(LATE, GREEDY))
+            if leaves:
+                late[0].abort()  # queued while it is being admitted
         return out
 
     engine.batches.forward = forward_then_arrive  # type: ignore[method-assign]
+    return late
+
+
+def _late_arrival(model: LoadedModel, admit_in_step: bool) -> tuple[bool, list[int], Engine]:
+    """FIRST runs; LATE is submitted while FIRST's first forward runs. (Was LATE planned
+    within that step, LATE's tokens, the engine.)"""
+    config = EngineConfig(admit_in_step=admit_in_step, kv_pool_mib=0)
+    engine = Engine(Runner(model, MemoryStore(1 << 28)), config, caller_driven=True)
+    assert engine.admit_in_step is admit_in_step  # given, whatever the device
+    first = engine.submit(FIRST, GREEDY)
+    late = _arrives_during_forward(engine)
     engine.step()
     planned_in_step = isinstance(late[0].poll(), Planned)
     _drain(engine, first)
@@ -76,17 +85,7 @@ def test_an_abort_of_a_request_admitted_in_the_step_finishes_it(model: LoadedMod
         Runner(model, MemoryStore(1 << 28)), EngineConfig(admit_in_step=True), caller_driven=True
     )
     first = engine.submit(FIRST, GREEDY)
-    forward = engine.batches.forward
-    late: list[RequestHandle] = []
-
-    def forward_then_arrive_and_leave(batch: Any) -> Any:
-        out = forward(batch)
-        if not late:
-            late.append(engine.submit(LATE, GREEDY))
-            late[0].abort()  # queued while it is being admitted
-        return out
-
-    engine.batches.forward = forward_then_arrive_and_leave  # type: ignore[method-assign]
+    late = _arrives_during_forward(engine, leaves=True)
     _drain(engine, first)
     events, tokens = _drain(engine, late[0])
     assert isinstance(events[0], Planned) and not tokens
