@@ -36,12 +36,22 @@ def read_config(path: str | Path | None = None) -> dict[str, Any]:
     return data
 
 
-def write_config(path: str | Path | None, alpha: float, **calibration: Any) -> Path:
-    """Set reuse.alpha in the config file (other keys kept) and record how it was calibrated."""
+def write_config(
+    path: str | Path | None,
+    alpha: float,
+    settings: dict[str, Any] | None = None,
+    **calibration: Any,
+) -> Path:
+    """Set reuse.alpha (and the other reuse `settings` calibrated) in the config file, other
+    keys kept, and record how they were calibrated."""
     p = Path(path) if path is not None else DEFAULT_CONFIG_PATH
     data = read_config(p) if p.is_file() else {}
     reuse = data.get("reuse")
-    data["reuse"] = {**(reuse if isinstance(reuse, dict) else {}), "alpha": float(alpha)}
+    data["reuse"] = {
+        **(reuse if isinstance(reuse, dict) else {}),
+        "alpha": float(alpha),
+        **(settings or {}),
+    }
     if calibration:
         data["calibration"] = calibration
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -15,10 +15,10 @@ from cachecraft.api import CachecraftParams
 from cachecraft.config import ReuseConfig
 from cachecraft.config_file import load_reuse_overrides, read_config, write_config
 from cachecraft.errors import BadRequestError
-from cachecraft.llm import reuse_config
+from cachecraft.llm import LLM, reuse_config
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import Chunk, RagRequest
-from cachecraft_bench.calibrate import calibrate, pick_alpha
+from cachecraft_bench.calibrate import calibrate, pick_alpha, pick_sink_kept
 from cachecraft_bench.item import WorkloadItem, estimate_tokens
 from cachecraft_bench.matching import MAX_TRIALS
 from cachecraft_bench.modes import LAB_MODES as MODES
@@ -273,6 +273,17 @@ def test_calibration_picks_smallest_alpha_reaching_target(caplog) -> None:
         calibrate(None, [], 1.5, [0.5], evaluate=fake)
 
 
+def test_the_sink_rule_leaves_the_default_unless_judging_is_clearly_better() -> None:
+    def records(values: list[float]) -> list[dict]:
+        return [{"id": f"q{i}", "tf_kl": v} for i, v in enumerate(values)]
+
+    kept = records([0.30, 0.20, 0.25, 0.40, 0.35, 0.30])
+    assert pick_sink_kept(kept, records([0.10, 0.05, 0.08, 0.12, 0.10, 0.09])) is False
+    assert pick_sink_kept(kept, records([0.10, 0.50, 0.08, 0.60, 0.10, 0.40])) is True  # a tie
+    assert pick_sink_kept(kept, records([0.40, 0.30, 0.35, 0.50, 0.45, 0.40])) is True
+    assert pick_sink_kept(kept[:1], records([0.0])) is True  # one request proves nothing
+
+
 def test_config_file_roundtrip(tmp_path: Path) -> None:
     path = tmp_path / "cachecraft.json"
     path.write_text(json.dumps({"reuse": {"refresh_error": 0.5}, "other": 1}))
@@ -280,6 +291,12 @@ def test_config_file_roundtrip(tmp_path: Path) -> None:
     data = read_config(path)
     assert data["other"] == 1 and data["calibration"] == {"target": 0.9}
     assert load_reuse_overrides(path) == {"refresh_error": 0.5, "alpha": 0.25}
+    write_config(path, 0.5, {"probe_sink_kept": False})  # a strategy's parameter beside alpha
+    assert load_reuse_overrides(path) == {
+        "refresh_error": 0.5,
+        "alpha": 0.5,
+        "probe_sink_kept": False,
+    }
     path.write_text(json.dumps({"reuse": {"alpah": 1}}))
     with pytest.raises(BadRequestError, match="alpah"):
         reuse_config(**load_reuse_overrides(path))
@@ -432,3 +449,21 @@ def test_int8_disk_store_changes_reuse_fidelity(tiny: LoadedModel, tmp_path: Pat
     assert list(tmp_path.rglob("*.safetensors"))  # the arms really kept K/V on disk
     assert [r["chunk_hit_rate"] for r in q8] == [r["chunk_hit_rate"] for r in fp16]
     assert [r["tf_kl"] for r in q8] != [r["tf_kl"] for r in fp16]
+
+
+def test_calibrate_chooses_the_sink_rule_and_writes_it(
+    tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    wl = write_workload_file(_items(4), tmp_path / "wl.jsonl")
+    cfg = tmp_path / "cachecraft.json"
+    argv = ["calibrate", "--workload-file", str(wl), "--model", str(tiny_dir), "--warmup", "1"]
+    argv += ["--max-tokens", "2", "--no-progress", "--alphas", "0.5", "--write", str(cfg)]
+    assert _cli([*argv, "--sink-rule", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    sink = out["sink_rule_tf_kl_judged_minus_kept"]
+    assert sink["n"] == 3 and len(sink["ci95"]) == 2
+    reuse = load_reuse_overrides(cfg)
+    assert reuse["alpha"] == 0.5 and reuse["probe_sink_kept"] is out["probe_sink_kept"]
+    assert read_config(cfg)["calibration"]["sink_rule"] == sink
+    llm = LLM(str(tiny_dir), **reuse)  # the file configures a model
+    assert llm.strategies.get("cachecraft").params.probe_sink_kept is (out["probe_sink_kept"])

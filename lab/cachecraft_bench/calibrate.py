@@ -1,8 +1,10 @@
-"""Calibration of cachecraft's alpha (docs/algorithm.md).
+"""Calibration of cachecraft for one model (docs/algorithm.md).
 
-`calibrate` picks the smallest alpha whose mean ROUGE-L vs full reaches a target. The result is
-written to the config file by `cachecraft.config_file.write_config`; `ask`, `bench` and the
-server read it back through `config_file.load_reuse_overrides`.
+`calibrate` picks the smallest alpha whose mean ROUGE-L vs full reaches a target; `sink_rule`
+(`cachecraft calibrate --sink-rule`) whether the check keeps each chunk's first tokens
+(`probe_sink_kept`), which the tuning set showed to depend on the model. The result is written
+to the config file by `cachecraft.config_file.write_config`; `ask`, `bench` and the server read
+it back through `config_file.load_reuse_overrides`.
 """
 
 from __future__ import annotations
@@ -76,3 +78,35 @@ def calibrate(
     alpha = pick_alpha(scores, target)
     log.info("calibrated alpha %g for ROUGE-L target %.3f: %s", alpha, target, dict(scores))
     return alpha
+
+
+JUDGED = "cachecraft-judged"
+"""The arm with `probe_sink_kept` off."""
+
+
+def pick_sink_kept(kept: Sequence[Mapping[str, Any]], judged: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the check should keep each chunk's first tokens, from per-request records of
+    both rules on the same requests: the default (True) unless judging them lowers the TF-KL
+    with a paired 95% CI that excludes 0 (a calibration set is small: a tie keeps the default)."""
+    from cachecraft_bench.paired import paired_difference
+
+    diff = paired_difference(list(judged), list(kept), "tf_kl")
+    high = diff["ci95"][1]
+    return not (diff["n"] > 1 and high is not None and high < 0)
+
+
+def sink_rule(
+    loaded: LoadedModel, items: Sequence[WorkloadItem], **kw: Any
+) -> tuple[bool, dict[str, Any]]:
+    """(probe_sink_kept, the paired TF-KL difference judged - kept) for cachecraft on `items`;
+    `kw` goes to `run_quality` (warmup, max_tokens, base, progress, ...)."""
+    from cachecraft_bench.paired import paired_difference
+    from cachecraft_bench.quality import run_quality  # torch-heavy; keep config I/O light
+
+    configs = {JUDGED: {"probe_sink_kept": False}}
+    res = run_quality(
+        loaded, items, ["cachecraft", JUDGED], configs=configs, match_budget=False, **kw
+    )
+    records = next(iter(res["workloads"].values()))["requests"]
+    kept, judged = records["cachecraft"], records[JUDGED]
+    return pick_sink_kept(kept, judged), paired_difference(judged, kept, "tf_kl")

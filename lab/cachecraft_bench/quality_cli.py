@@ -8,6 +8,7 @@ and model, calls the library, prints JSON or a table on stdout. Errors: one line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -217,6 +218,12 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     p.add_argument(
         "--write", default=None, help="file to write (default: --config or ./cachecraft.json)"
     )
+    p.add_argument(
+        "--sink-rule",
+        action="store_true",
+        help="also choose probe_sink_kept for this model at the chosen alpha (off only when "
+        "that lowers the TF-KL with a paired CI excluding 0; models differ, docs/reuse.md)",
+    )
     p.set_defaults(func=main_calibrate)
     return p
 
@@ -340,7 +347,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from cachecraft.config_file import write_config
-    from cachecraft_bench.calibrate import calibration_curve, pick_alpha
+    from cachecraft_bench.calibrate import calibration_curve, pick_alpha, sink_rule
 
     if not 0 < args.target <= 1:
         raise BadRequestError(f"--target must be in (0, 1], got {args.target}")
@@ -349,23 +356,36 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise BadRequestError("--alphas is empty")
     base = reuse_config_from_args(args)
     name, items = load_items(args)
-    points = calibration_curve(
-        _load_model(args), items, alphas, warmup=_warmup(args), max_tokens=args.max_tokens,
-        base=base, progress=not args.no_progress, workload=name,
-    )  # fmt: skip
+    model = _load_model(args)
+    run = dict(warmup=_warmup(args), max_tokens=args.max_tokens, progress=not args.no_progress)
+    points = calibration_curve(model, items, alphas, base=base, workload=name, **run)
     alpha = pick_alpha({p["param"]: p["rouge_l"] for p in points}, args.target)
     curve = [{k: p[k] for k in ("param", "rouge_l", "computed_fraction", "tf_kl")} for p in points]
     reached = any(p["param"] == alpha and (p["rouge_l"] or 0) >= args.target for p in points)
+    settings, sink = {}, None
+    if args.sink_rule:
+        at_alpha = dataclasses.replace(base, alpha=alpha)
+        kept, sink = sink_rule(model, items, base=at_alpha, workload=name, **run)
+        settings["probe_sink_kept"] = kept
     path = write_config(
-        args.write or args.config, alpha, target=args.target, reached=reached, workload=name,
-        requests=len(items), warmup=_warmup(args), curve=curve,
+        args.write or args.config, alpha, settings, target=args.target, reached=reached,
+        workload=name, requests=len(items), warmup=_warmup(args), curve=curve,
+        sink_rule=sink,
     )  # fmt: skip
     out = {"alpha": alpha, "target": args.target, "reached": reached, "config": str(path)}
-    out["curve"] = curve
+    out.update(settings, curve=curve)
+    if sink is not None:
+        out["sink_rule_tf_kl_judged_minus_kept"] = sink
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"alpha {alpha:g} (target ROUGE-L {args.target}, reached: {reached}) -> {path}")
+        if sink is not None:
+            mean, (lo, hi) = sink["mean"], sink["ci95"]
+            print(
+                f"probe_sink_kept {settings['probe_sink_kept']} (TF-KL judged - kept "
+                f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}])"
+            )
         for p in curve:
             rouge, frac = p["rouge_l"], p["computed_fraction"]
             print(f"  alpha {p['param']:<6g} ROUGE-L {rouge:.3f}  computed {frac:.3f}")
