@@ -22,6 +22,7 @@ from cachecraft_bench.calibrate import calibrate, pick_alpha, pick_sink_kept
 from cachecraft_bench.item import WorkloadItem, estimate_tokens
 from cachecraft_bench.matching import MAX_TRIALS
 from cachecraft_bench.modes import LAB_MODES as MODES
+from cachecraft_bench.paired import paired_difference
 from cachecraft_bench.quality import ABLATIONS, build_arms, run_quality
 from cachecraft_bench.quality_cli import add_bench_quality_parser, add_calibrate_parser
 from cachecraft_bench.quality_summary import FLAT_KEYS, flat_summary
@@ -277,11 +278,14 @@ def test_the_sink_rule_leaves_the_default_unless_judging_is_clearly_better() -> 
     def records(values: list[float]) -> list[dict]:
         return [{"id": f"q{i}", "tf_kl": v} for i, v in enumerate(values)]
 
+    def pick(kept: list[dict], judged: list[dict]) -> bool:
+        return pick_sink_kept(paired_difference(judged, kept, "tf_kl"))
+
     kept = records([0.30, 0.20, 0.25, 0.40, 0.35, 0.30])
-    assert pick_sink_kept(kept, records([0.10, 0.05, 0.08, 0.12, 0.10, 0.09])) is False
-    assert pick_sink_kept(kept, records([0.10, 0.50, 0.08, 0.60, 0.10, 0.40])) is True  # a tie
-    assert pick_sink_kept(kept, records([0.40, 0.30, 0.35, 0.50, 0.45, 0.40])) is True
-    assert pick_sink_kept(kept[:1], records([0.0])) is True  # one request proves nothing
+    assert pick(kept, records([0.10, 0.05, 0.08, 0.12, 0.10, 0.09])) is False
+    assert pick(kept, records([0.10, 0.50, 0.08, 0.60, 0.10, 0.40])) is True  # a tie
+    assert pick(kept, records([0.40, 0.30, 0.35, 0.50, 0.45, 0.40])) is True
+    assert pick(kept[:1], records([0.0])) is True  # one request proves nothing
 
 
 def test_config_file_roundtrip(tmp_path: Path) -> None:

@@ -84,13 +84,11 @@ JUDGED = "cachecraft-judged"
 """The arm with `probe_sink_kept` off."""
 
 
-def pick_sink_kept(kept: Sequence[Mapping[str, Any]], judged: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether the check should keep each chunk's first tokens, from per-request records of
-    both rules on the same requests: the default (True) unless judging them lowers the TF-KL
-    with a paired 95% CI that excludes 0 (a calibration set is small: a tie keeps the default)."""
-    from cachecraft_bench.paired import paired_difference
-
-    diff = paired_difference(list(judged), list(kept), "tf_kl")
+def pick_sink_kept(diff: Mapping[str, Any]) -> bool:
+    """Whether the check should keep each chunk's first tokens, from the paired TF-KL
+    difference judged - kept (`paired.paired_difference`) on the same requests: the default
+    (True) unless judging them lowers it with a 95% CI that excludes 0 (a calibration set is
+    small: a tie keeps the default)."""
     high = diff["ci95"][1]
     return not (diff["n"] > 1 and high is not None and high < 0)
 
@@ -108,5 +106,5 @@ def sink_rule(
         loaded, items, ["cachecraft", JUDGED], configs=configs, match_budget=False, **kw
     )
     records = next(iter(res["workloads"].values()))["requests"]
-    kept, judged = records["cachecraft"], records[JUDGED]
-    return pick_sink_kept(kept, judged), paired_difference(judged, kept, "tf_kl")
+    diff = paired_difference(records[JUDGED], records["cachecraft"], "tf_kl")
+    return pick_sink_kept(diff), diff
