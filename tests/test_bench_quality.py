@@ -18,7 +18,13 @@ from cachecraft.errors import BadRequestError
 from cachecraft.llm import LLM, reuse_config
 from cachecraft.model.loader import LoadedModel
 from cachecraft.request import Chunk, RagRequest
-from cachecraft_bench.calibrate import calibrate, pick_alpha, pick_sink_kept
+from cachecraft_bench.calibrate import (
+    SELECTOR_RULES,
+    calibrate,
+    pick_alpha,
+    pick_rule,
+    selector_settings,
+)
 from cachecraft_bench.item import WorkloadItem, estimate_tokens
 from cachecraft_bench.matching import MAX_TRIALS
 from cachecraft_bench.modes import LAB_MODES as MODES
@@ -274,18 +280,32 @@ def test_calibration_picks_smallest_alpha_reaching_target(caplog) -> None:
         calibrate(None, [], 1.5, [0.5], evaluate=fake)
 
 
-def test_the_sink_rule_leaves_the_default_unless_judging_is_clearly_better() -> None:
+def test_a_selector_rule_is_adopted_only_when_it_is_clearly_better() -> None:
     def records(values: list[float]) -> list[dict]:
         return [{"id": f"q{i}", "tf_kl": v} for i, v in enumerate(values)]
 
-    def pick(kept: list[dict], judged: list[dict]) -> bool:
-        return pick_sink_kept(paired_difference(judged, kept, "tf_kl"))
+    default = records([0.30, 0.20, 0.25, 0.40, 0.35, 0.30])
+    better = records([0.10, 0.05, 0.08, 0.12, 0.10, 0.09])
+    best = records([0.05, 0.02, 0.04, 0.06, 0.05, 0.04])
+    tie = records([0.10, 0.50, 0.08, 0.60, 0.10, 0.40])
+    worse = records([0.40, 0.30, 0.35, 0.50, 0.45, 0.40])
 
-    kept = records([0.30, 0.20, 0.25, 0.40, 0.35, 0.30])
-    assert pick(kept, records([0.10, 0.05, 0.08, 0.12, 0.10, 0.09])) is False
-    assert pick(kept, records([0.10, 0.50, 0.08, 0.60, 0.10, 0.40])) is True  # a tie
-    assert pick(kept, records([0.40, 0.30, 0.35, 0.50, 0.45, 0.40])) is True
-    assert pick(kept[:1], records([0.0])) is True  # one request proves nothing
+    def pick(**arms: list[dict]) -> str | None:
+        return pick_rule({k: paired_difference(v, default, "tf_kl") for k, v in arms.items()})
+
+    assert pick(a=better, b=tie, c=worse) == "a"
+    assert pick(a=better, b=best) == "b"  # the one that lowers it most
+    assert pick(a=tie, b=worse) is None  # a tie keeps the default
+    assert pick_rule({"a": paired_difference(records([0.0]), default[:1], "tf_kl")}) is None
+
+
+def test_selector_settings_name_every_parameter_the_rules_touch() -> None:
+    rules = {"a": {"probe_sink_kept": False}, "b": {"probe_check_power": 1.5}}
+    assert selector_settings(rules, "b") == {"probe_sink_kept": True, "probe_check_power": 1.5}
+    assert selector_settings(rules, None) == {"probe_sink_kept": True, "probe_check_power": 0.75}
+    assert selector_settings(SELECTOR_RULES, None).keys() == {
+        key for rule in SELECTOR_RULES.values() for key in rule
+    }
 
 
 def test_config_file_roundtrip(tmp_path: Path) -> None:
@@ -455,19 +475,25 @@ def test_int8_disk_store_changes_reuse_fidelity(tiny: LoadedModel, tmp_path: Pat
     assert [r["tf_kl"] for r in q8] != [r["tf_kl"] for r in fp16]
 
 
-def test_calibrate_chooses_the_sink_rule_and_writes_it(
+def test_calibrate_chooses_the_selector_and_writes_it(
     tiny_dir: Path, tmp_path: Path, capsys
 ) -> None:
     wl = write_workload_file(_items(4), tmp_path / "wl.jsonl")
     cfg = tmp_path / "cachecraft.json"
+    cfg.write_text(json.dumps({"reuse": {"probe_check_power": 9.0}}))  # a stale choice
     argv = ["calibrate", "--workload-file", str(wl), "--model", str(tiny_dir), "--warmup", "1"]
     argv += ["--max-tokens", "2", "--no-progress", "--alphas", "0.5", "--write", str(cfg)]
-    assert _cli([*argv, "--sink-rule", "--json"]) == 0
+    assert _cli([*argv, "--selector", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    sink = out["sink_rule_tf_kl_judged_minus_kept"]
-    assert sink["n"] == 3 and len(sink["ci95"]) == 2
+    diffs = out["selector_tf_kl_minus_default"]
+    assert diffs.keys() == SELECTOR_RULES.keys()
+    assert all(d["n"] == 3 and len(d["ci95"]) == 2 for d in diffs.values())
     reuse = load_reuse_overrides(cfg)
-    assert reuse["alpha"] == 0.5 and reuse["probe_sink_kept"] is out["probe_sink_kept"]
-    assert read_config(cfg)["calibration"]["sink_rule"] == sink
-    llm = LLM(str(tiny_dir), **reuse)  # the file configures a model
-    assert llm.strategies.get("cachecraft").params.probe_sink_kept is (out["probe_sink_kept"])
+    chosen = selector_settings(SELECTOR_RULES, pick_rule(diffs))
+    assert reuse == {"alpha": 0.5, **chosen}  # the stale power replaced
+    assert read_config(cfg)["calibration"]["selector"] == diffs
+    params = LLM(str(tiny_dir), **reuse).strategies.get("cachecraft").params  # it configures
+    assert (params.probe_sink_kept, params.probe_check_power) == (
+        chosen["probe_sink_kept"],
+        chosen["probe_check_power"],
+    )

@@ -1,8 +1,8 @@
 """Calibration of cachecraft for one model (docs/algorithm.md).
 
-`calibrate` picks the smallest alpha whose mean ROUGE-L vs full reaches a target; `sink_rule`
-(`cachecraft calibrate --sink-rule`) whether the check keeps each chunk's first tokens
-(`probe_sink_kept`), which the tuning set showed to depend on the model. The result is written
+`calibrate` picks the smallest alpha whose mean ROUGE-L vs full reaches a target; `selector_rule`
+(`cachecraft calibrate --selector`) the selector's choices that the tuning set showed to depend
+on the model (`SELECTOR_RULES`). The result is written
 to the config file by `cachecraft.config_file.write_config`; `ask`, `bench` and the server read
 it back through `config_file.load_reuse_overrides`.
 """
@@ -80,31 +80,59 @@ def calibrate(
     return alpha
 
 
-JUDGED = "cachecraft-judged"
-"""The arm with `probe_sink_kept` off."""
+SELECTOR_RULES: dict[str, dict[str, Any]] = {
+    "cachecraft-judged": {"probe_sink_kept": False},
+    "cachecraft-power1.5": {"probe_check_power": 1.5},
+    "cachecraft-judged-power1.5": {"probe_sink_kept": False, "probe_check_power": 1.5},
+}
+"""The selector's choices that the tuning set showed to depend on the model (docs/reuse.md),
+each an arm of `cachecraft calibrate --selector` run against the default on the same requests:
+whether the check keeps each chunk's first tokens, and how much the question's attention
+weighs against the K/V deviation in its rank."""
 
 
-def pick_sink_kept(diff: Mapping[str, Any]) -> bool:
-    """Whether the check should keep each chunk's first tokens, from the paired TF-KL
-    difference judged - kept (`paired.paired_difference`) on the same requests: the default
-    (True) unless judging them lowers it with a 95% CI that excludes 0 (a calibration set is
-    small: a tie keeps the default)."""
-    high = diff["ci95"][1]
-    return not (diff["n"] > 1 and high is not None and high < 0)
+def pick_rule(diffs: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The rule to adopt from each rule's paired TF-KL difference rule - default
+    (`paired.paired_difference`) on the same requests: among the rules that lower it with a
+    95% CI excluding 0, the one that lowers it most; None (keep the default) if none does (a
+    calibration set is small: a tie keeps the default)."""
+    clear = {
+        name: d
+        for name, d in diffs.items()
+        if d["n"] > 1 and d["ci95"][1] is not None and d["ci95"][1] < 0
+    }
+    return min(clear, key=lambda name: (clear[name]["mean"], name), default=None)
 
 
-def sink_rule(
-    loaded: LoadedModel, items: Sequence[WorkloadItem], **kw: Any
-) -> tuple[bool, dict[str, Any]]:
-    """(probe_sink_kept, the paired TF-KL difference judged - kept) for cachecraft on `items`;
-    `kw` goes to `run_quality` (warmup, max_tokens, base, progress, ...)."""
+def selector_settings(rules: Mapping[str, Mapping[str, Any]], chosen: str | None) -> dict[str, Any]:
+    """Every parameter the rules touch, at the chosen rule's value or else the default (so a
+    file calibrated before keeps no stale choice)."""
+    from cachecraft.reuse.cachecraft import CachecraftParams
+
+    default = CachecraftParams()
+    out = {key: getattr(default, key) for rule in rules.values() for key in rule}
+    out.update(rules[chosen] if chosen is not None else {})
+    return out
+
+
+def selector_rule(
+    loaded: LoadedModel,
+    items: Sequence[WorkloadItem],
+    rules: Mapping[str, Mapping[str, Any]] = SELECTOR_RULES,
+    **kw: Any,
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(the selector's settings for this model, per rule the paired TF-KL difference rule -
+    default) for cachecraft on `items`; `kw` goes to `run_quality` (warmup, max_tokens, base,
+    progress, ...)."""
     from cachecraft_bench.paired import paired_difference
     from cachecraft_bench.quality import run_quality  # torch-heavy; keep config I/O light
 
-    configs = {JUDGED: {"probe_sink_kept": False}}
+    configs = {name: dict(rule) for name, rule in rules.items()}
     res = run_quality(
-        loaded, items, ["cachecraft", JUDGED], configs=configs, match_budget=False, **kw
+        loaded, items, ["cachecraft", *rules], configs=configs, match_budget=False, **kw
     )
     records = next(iter(res["workloads"].values()))["requests"]
-    diff = paired_difference(records[JUDGED], records["cachecraft"], "tf_kl")
-    return pick_sink_kept(diff), diff
+    diffs = {
+        name: paired_difference(records[name], records["cachecraft"], "tf_kl") for name in rules
+    }
+    return selector_settings(rules, pick_rule(diffs)), diffs

@@ -219,10 +219,11 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
         "--write", default=None, help="file to write (default: --config or ./cachecraft.json)"
     )
     p.add_argument(
-        "--sink-rule",
+        "--selector",
         action="store_true",
-        help="also choose probe_sink_kept for this model at the chosen alpha (off only when "
-        "that lowers the TF-KL with a paired CI excluding 0; models differ, docs/reuse.md)",
+        help="also choose the selector's per-model rules at the chosen alpha (the sink rule, "
+        "the check's attention power): one only when it lowers the TF-KL with a paired CI "
+        "excluding 0; models differ, docs/reuse.md",
     )
     p.set_defaults(func=main_calibrate)
     return p
@@ -347,7 +348,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from cachecraft.config_file import write_config
-    from cachecraft_bench.calibrate import calibration_curve, pick_alpha, sink_rule
+    from cachecraft_bench.calibrate import calibration_curve, pick_alpha, selector_rule
 
     if not 0 < args.target <= 1:
         raise BadRequestError(f"--target must be in (0, 1], got {args.target}")
@@ -362,30 +363,31 @@ def _calibrate(args: argparse.Namespace) -> int:
     alpha = pick_alpha({p["param"]: p["rouge_l"] for p in points}, args.target)
     curve = [{k: p[k] for k in ("param", "rouge_l", "computed_fraction", "tf_kl")} for p in points]
     reached = any(p["param"] == alpha and (p["rouge_l"] or 0) >= args.target for p in points)
-    settings, sink = {}, None
-    if args.sink_rule:
+    settings, rules = {}, None
+    if args.selector:
         at_alpha = dataclasses.replace(base, alpha=alpha)
-        kept, sink = sink_rule(model, items, base=at_alpha, workload=name, **run)
-        settings["probe_sink_kept"] = kept
+        settings, rules = selector_rule(model, items, base=at_alpha, workload=name, **run)
     path = write_config(
         args.write or args.config, alpha, settings, target=args.target, reached=reached,
         workload=name, requests=len(items), warmup=_warmup(args), curve=curve,
-        sink_rule=sink,
+        selector=rules,
     )  # fmt: skip
     out = {"alpha": alpha, "target": args.target, "reached": reached, "config": str(path)}
     out.update(settings, curve=curve)
-    if sink is not None:
-        out["sink_rule_tf_kl_judged_minus_kept"] = sink
+    if rules is not None:
+        out["selector_tf_kl_minus_default"] = rules
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"alpha {alpha:g} (target ROUGE-L {args.target}, reached: {reached}) -> {path}")
-        if sink is not None:
-            mean, (lo, hi) = sink["mean"], sink["ci95"]
-            print(
-                f"probe_sink_kept {settings['probe_sink_kept']} (TF-KL judged - kept "
-                f"{mean:+.4f} [{lo:+.4f}, {hi:+.4f}])"
-            )
+        if rules is not None:
+            print("selector " + ", ".join(f"{k} {v}" for k, v in settings.items()))
+            for rule, d in rules.items():
+                if d["mean"] is None:
+                    print(f"  {rule}: no request measured")
+                    continue
+                mean, (lo, hi) = d["mean"], d["ci95"]
+                print(f"  {rule}: TF-KL - default {mean:+.4f} [{lo:+.4f}, {hi:+.4f}]")
         for p in curve:
             rouge, frac = p["rouge_l"], p["computed_fraction"]
             print(f"  alpha {p['param']:<6g} ROUGE-L {rouge:.3f}  computed {frac:.3f}")
