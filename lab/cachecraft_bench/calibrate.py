@@ -2,9 +2,9 @@
 
 `calibrate` picks the smallest alpha whose mean ROUGE-L vs full reaches a target; `selector_rule`
 (`cachecraft calibrate --selector`) the selector's choices that the tuning set showed to depend
-on the model (`SELECTOR_RULES`). The result is written
-to the config file by `cachecraft.config_file.write_config`; `ask`, `bench` and the server read
-it back through `config_file.load_reuse_overrides`.
+on the model (`SELECTOR_RULES`). The result is written to the config file by
+`cachecraft.config_file.write_config`; `ask`, `bench` and the server read it back through
+`config_file.load_reuse_overrides`.
 """
 
 from __future__ import annotations
