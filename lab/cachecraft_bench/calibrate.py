@@ -107,7 +107,7 @@ def pick_rule(diffs: Mapping[str, Mapping[str, Any]]) -> str | None:
 def selector_settings(rules: Mapping[str, Mapping[str, Any]], chosen: str | None) -> dict[str, Any]:
     """Every parameter the rules touch, at the chosen rule's value or else the default (so a
     file calibrated before keeps no stale choice)."""
-    from cachecraft.reuse.cachecraft import CachecraftParams
+    from cachecraft.api import CachecraftParams
 
     default = CachecraftParams()
     out = {key: getattr(default, key) for rule in rules.values() for key in rule}
