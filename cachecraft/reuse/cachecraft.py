@@ -83,6 +83,9 @@ class CachecraftParams(ScoringRules):
     """No probe when its candidates would be every reused token anyway (probe_check x budget
     >= the reused tokens: it would rank nothing out); its cost goes to a check of them all.
     Needs a probe_max_cost (None: always probe)."""
+    probe_coverage: float | None = ranged(None, 0.0, 1.0)
+    """The probe's budget is cut to the fewest top-ranked tokens holding this share of the
+    question's attention on the reused tokens (None: the whole CFO budget; ProbeCheck.coverage)."""
     check_alone_layer: int | None = ranged(None, 0)
     """The layer of a check run without a probe (None: probe_check_layer)."""
 
@@ -137,6 +140,7 @@ def make_probe(
         check_power=c.probe_check_power,
         last_row=c.probe_last_row,
         question_rows=question_rows,
+        coverage=c.probe_coverage,
     )
 
 

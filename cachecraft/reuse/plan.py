@@ -211,6 +211,11 @@ class ProbeCheck:
     question_rows: int | None = None
     """The probe runs only the question's last `question_rows` rows (None: all of them),
     moved up to follow the context: a trimmed probe, fitted to probe_max_cost."""
+    coverage: float | None = None
+    """Splits across chunks: `total` is cut to the fewest top-ranked tokens whose question
+    attention reaches this share of all the probed tokens' attention (None: no cut). The
+    attention left on tokens not recomputed is the probe's prediction of the error left, so
+    a request whose question reads few tokens spends less."""
 
     @property
     def layer_share(self) -> float:

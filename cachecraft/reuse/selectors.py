@@ -75,21 +75,37 @@ def _lift_sinks(scores: dict[int, list[float]], sink: int) -> dict[int, list[flo
     return {i: [v + lift if t < sink else v for t, v in enumerate(s)] for i, s in scores.items()}
 
 
-def _global_counts(
-    idx: Sequence[int],
-    scores: dict[int, list[float]],
-    weight: dict[int, float],
-    total: int,
-) -> dict[int, int]:
-    """Per chunk, how many of the top `total` tokens of all chunks by weight x score it holds."""
-    ranked = sorted(
+def _ranked(
+    idx: Sequence[int], scores: dict[int, list[float]], weight: dict[int, float]
+) -> list[tuple[int, int]]:
+    """(chunk, offset) of the tokens of chunks of positive weight, by weight x score (ties:
+    lower chunk, then lower offset)."""
+    return sorted(
         ((i, t) for i in idx if weight[i] > 0 for t in range(len(scores[i]))),
         key=lambda it: (-weight[it[0]] * scores[it[0]][it[1]], it[0], it[1]),
     )
+
+
+def _counts(idx: Sequence[int], ranked: Sequence[tuple[int, int]], total: int) -> dict[int, int]:
+    """Per chunk, how many of the first `total` tokens of `ranked` it holds."""
     counts = dict.fromkeys(idx, 0)
     for i, _ in ranked[: max(total, 0)]:
         counts[i] += 1
     return counts
+
+
+def covering(attention: Sequence[float], coverage: float) -> int:
+    """The fewest leading entries of `attention` (tokens in rank order) whose sum, added in
+    order, reaches `coverage` x the sum of them all, also added in order (so the device's
+    cumulative sum meets the same bound); all of them when that sum is not positive."""
+    running, sums = 0.0, []
+    for a in attention:
+        running += a
+        sums.append(running)
+    if not sums or running <= 0:
+        return len(sums)
+    bound = coverage * running
+    return next(k + 1 for k, v in enumerate(sums) if v >= bound)
 
 
 def _weights(
@@ -123,6 +139,8 @@ def select_by_question(
                     (early termination, decided before the forward instead of inside it).
     split "global": the top `probe.total` tokens by question attention alone (ProphetKV).
     split "chunk":  each chunk its own planned budget, top tokens by question attention.
+    With `probe.coverage`, a split across chunks spends at most the fewest top-ranked tokens
+    holding that share of the ranked tokens' question attention (`covering`).
 
     Without a check (`probe.check` 0) those tokens are the plan's (select "planned"). With it,
     the top ceil(check x budget) by the same ranking become candidates (select "deviation"):
@@ -146,16 +164,20 @@ def select_by_question(
     scores = _lift_sinks(base, probe.sink)
     judged = scores if probe.sink_kept else base  # what the check weighs a candidate by
     weight = _weights(plan, idx, att)
+    total = probe.total
     if probe.split == "chunk":
         counts = {i: plan.chunks[i].budget for i in idx}
     else:
-        counts = _global_counts(idx, scores, weight, probe.total)
+        ranked = _ranked(idx, scores, weight)
+        if probe.coverage is not None:
+            total = min(total, covering([att[i][t] for i, t in ranked], probe.coverage))
+        counts = _counts(idx, ranked, total)
     checked = probe.check > 0 and sum(counts.values()) > 0
     if checked:
         if probe.split == "chunk":
             wide = {i: math.ceil(probe.check * counts[i] - 1e-9) for i in idx}
         else:
-            wide = _global_counts(idx, scores, weight, math.ceil(probe.check * probe.total - 1e-9))
+            wide = _counts(idx, ranked, math.ceil(probe.check * total - 1e-9))
     chunks = list(plan.chunks)
     weights: list[tuple[float, ...] | None] = [None] * len(chunks)
     power = probe.check_power if probe.check_score == "product" else 0.0  # 0: deviation alone
@@ -178,6 +200,7 @@ def select_by_question(
         )
     if not checked:
         return replace(plan, chunks=tuple(chunks))
-    total = None if probe.split == "chunk" else probe.total
-    check = DeviationCheck(probe.check_layer, total, tuple(weights))
+    check = DeviationCheck(
+        probe.check_layer, None if probe.split == "chunk" else total, tuple(weights)
+    )
     return replace(plan, chunks=tuple(chunks), deviation=check)
