@@ -6,6 +6,7 @@ Layout used throughout: prefix (3 tokens) | A (4) | B (5) | C (3) | question (2)
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from plan_helpers import make_layout, settings
 
 from cachecraft.errors import BadRequestError
 from cachecraft.reuse.keys import chunk_key, prefix_key
-from cachecraft.reuse.plan import PromptLayout, RecomputePlan
+from cachecraft.reuse.plan import FLOOR_WEIGHT, PromptLayout, RecomputePlan
 from cachecraft.reuse.planner import (
     as_miss,
     choose_variant,
@@ -406,3 +407,19 @@ def test_probe_coverage_spends_only_where_the_question_reads(check: float) -> No
     assert resolve_probe(uncut, one).num_rows > got.num_rows
     flat = [None if c.variant is None else [1.0] * c.slot.num_tokens for c in cut.chunks]
     assert resolve_probe(cut, flat).rows() == resolve_probe(uncut, flat).rows()
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_probe_check_floor_keeps_the_top_of_the_ranking(share: float) -> None:
+    """With attention rising along each chunk, the floor's tokens are the most-read ones and
+    carry FLOOR_WEIGHT at the check (1.0: the whole total, so the ranking alone decides);
+    the other candidates keep their attention weights."""
+    base = dict(CONFIG, alpha=4.0, probe_check=3.0, probe_sink=0, probe_max_cost=None)
+    p = resolved(plan("cachecraft", config=dict(base, probe_check_floor=share)))
+    assert p.deviation is not None and p.deviation.weights is not None
+    total = p.deviation.total
+    assert total is not None and total >= 3
+    weights = [w for ws in p.deviation.weights if ws for w in ws]
+    floored = [w for w in weights if w == FLOOR_WEIGHT]
+    assert len(floored) == math.ceil(share * total - 1e-9)
+    assert len(weights) > len(floored) and max(w for w in weights if w != FLOOR_WEIGHT) < 1e3

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from cachecraft.reuse.plan import DeviationCheck, RecomputePlan
+from cachecraft.reuse.plan import FLOOR_WEIGHT, DeviationCheck, RecomputePlan
 
 
 def select_on_device(
@@ -85,7 +85,11 @@ def select_on_device(
     values = None
     if checked:
         w = torch.tensor(weight, dtype=f64, device=device)[chunk_of[flat]]
-        values = ((w * judged[flat]) ** power).tolist()
+        product = (w * judged[flat]) ** power
+        floor = _floor(probe.floor, probe.split, scores, chunk_of, starts, counts, order, total)
+        if floor is not None:
+            product = torch.where(floor[flat], torch.full_like(product, FLOOR_WEIGHT), product)
+        values = product.tolist()
     # the one transfer of the picks to the host, then cut per chunk (no loop over tokens)
     per_chunk = torch.bincount(chunk_of[flat], minlength=num).tolist()
     offsets_host = (flat - starts[chunk_of[flat]]).tolist()
@@ -146,6 +150,28 @@ def _covering(ranked: torch.Tensor, coverage: float) -> int:
     if sums[-1].item() <= 0:
         return int(ranked.shape[0])
     return int((sums < coverage * sums[-1]).sum().item()) + 1
+
+
+def _floor(
+    share: float,
+    split: str,
+    scores: torch.Tensor,
+    chunk_of: torch.Tensor,
+    starts: torch.Tensor,
+    counts: list[int],
+    order: torch.Tensor,
+    total: int,
+) -> torch.Tensor | None:
+    """bool [T]: the tokens the check keeps whatever it measures (reference: the `floor` of
+    select_by_question); None when there are none."""
+    if share <= 0:
+        return None
+    if split == "chunk":
+        take = [math.ceil(share * c - 1e-9) for c in counts]
+        return _top_per_chunk(scores, chunk_of, starts, take, scores.device)
+    out = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+    out[order[: math.ceil(share * total - 1e-9)]] = True
+    return out
 
 
 def _counts(order: torch.Tensor, chunk_of: torch.Tensor, num: int, n: int) -> list[int]:

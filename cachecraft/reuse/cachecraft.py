@@ -83,6 +83,9 @@ class CachecraftParams(ScoringRules):
     """No probe when its candidates would be every reused token anyway (probe_check x budget
     >= the reused tokens: it would rank nothing out); its cost goes to a check of them all.
     Needs a probe_max_cost (None: always probe)."""
+    probe_check_floor: float = ranged(0.0, 0.0, 1.0)
+    """Share of the budget the check keeps from the top of the probe's ranking whatever it
+    measures (ProbeCheck.floor: a hedge toward question relevance alone)."""
     probe_coverage: float | None = ranged(None, 0.0, 1.0)
     """The probe's budget is cut to the fewest top-ranked tokens holding this share of the
     question's attention on the reused tokens (None: the whole CFO budget; ProbeCheck.coverage)."""
@@ -140,6 +143,7 @@ def make_probe(
         check_power=c.probe_check_power,
         last_row=c.probe_last_row,
         question_rows=question_rows,
+        floor=c.probe_check_floor,
         coverage=c.probe_coverage,
     )
 

@@ -17,7 +17,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from cachecraft.reuse.plan import ChunkPlan, DeviationCheck, RecomputePlan
+from cachecraft.reuse.plan import FLOOR_WEIGHT, ChunkPlan, DeviationCheck, RecomputePlan
 
 
 def top_scored(scores: Sequence[float], n: int) -> tuple[int, ...]:
@@ -140,7 +140,8 @@ def select_by_question(
     split "global": the top `probe.total` tokens by question attention alone (ProphetKV).
     split "chunk":  each chunk its own planned budget, top tokens by question attention.
     With `probe.coverage`, a split across chunks spends at most the fewest top-ranked tokens
-    holding that share of the ranked tokens' question attention (`covering`).
+    holding that share of the ranked tokens' question attention (`covering`). With
+    `probe.floor`, the check keeps the top of the ranking whatever it measures (FLOOR_WEIGHT).
 
     Without a check (`probe.check` 0) those tokens are the plan's (select "planned"). With it,
     the top ceil(check x budget) by the same ranking become candidates (select "deviation"):
@@ -181,6 +182,14 @@ def select_by_question(
     chunks = list(plan.chunks)
     weights: list[tuple[float, ...] | None] = [None] * len(chunks)
     power = probe.check_power if probe.check_score == "product" else 0.0  # 0: deviation alone
+    floor: set[tuple[int, int]] = set()  # kept by the check whatever it measures
+    if checked and probe.floor > 0:
+        if probe.split == "chunk":
+            for i in idx:
+                n = math.ceil(probe.floor * counts[i] - 1e-9)
+                floor.update((i, t) for t in top_scored(scores[i], n))
+        else:
+            floor.update(ranked[: math.ceil(probe.floor * total - 1e-9)])
     for i in idx:
         reason = f"{chunks[i].reason}+{probe.split}"
         if not checked:
@@ -190,7 +199,9 @@ def select_by_question(
             )
             continue
         picked = top_scored(scores[i], wide[i])
-        weights[i] = tuple((weight[i] * judged[i][t]) ** power for t in picked)
+        weights[i] = tuple(
+            FLOOR_WEIGHT if (i, t) in floor else (weight[i] * judged[i][t]) ** power for t in picked
+        )
         chunks[i] = replace(
             chunks[i],
             recompute=picked,
