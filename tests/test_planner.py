@@ -24,7 +24,6 @@ from cachecraft.reuse.planner import (
     resolve_probe,
     without_prefix_hit,
 )
-from cachecraft.reuse.selectors import covering
 from cachecraft.reuse.stats import Scoring
 from cachecraft.store.meta import VariantMeta
 from cachecraft_bench.modes import LAB_MODES as MODES
@@ -374,39 +373,6 @@ def test_a_judged_sink_is_a_candidate_weighed_by_its_own_attention() -> None:
     assert plan("cachecraft", config=alone).deviation.sink == 1  # type: ignore[union-attr]
     no_lift = plan("cachecraft", config=dict(alone, probe_sink_kept=False))
     assert no_lift.deviation is not None and no_lift.deviation.sink == 0
-
-
-def test_covering_counts_the_leading_tokens_that_hold_the_share() -> None:
-    assert covering([0.5, 0.3, 0.2], 0.8) == 2
-    assert covering([0.5, 0.3, 0.2], 0.81) == 3
-    assert covering([0.5, 0.3, 0.2], 0.0) == 1
-    assert covering([0.0, 0.0], 0.5) == 2  # no attention measured: no cut
-    assert covering([], 0.5) == 0
-
-
-@pytest.mark.parametrize("check", [0.0, 3.0])
-def test_probe_coverage_spends_only_where_the_question_reads(check: float) -> None:
-    """Attention on one token: a coverage cut spends one token (with the check: keeps one of
-    ceil(check) candidates); spread evenly: the CFO budget whole, as without a cut."""
-    base = dict(CONFIG, alpha=4.0, probe_check=check, probe_sink=0, probe_max_cost=None)
-    uncut = plan("cachecraft", config=base)
-    cut = plan("cachecraft", config=dict(base, probe_coverage=0.9))
-    assert uncut.probe is not None and uncut.probe.total >= 3
-    assert cut.probe is not None and cut.probe.coverage == 0.9
-    one = [
-        None if c.variant is None else [float(i == 1 and t == 2) for t in range(c.slot.num_tokens)]
-        for i, c in enumerate(cut.chunks)
-    ]
-    got = resolve_probe(cut, one)
-    picked = {i: c.recompute for i, c in enumerate(got.chunks) if c.variant is not None}
-    if check == 0:
-        assert got.deviation is None and {i: r for i, r in picked.items() if r} == {1: (2,)}
-    else:
-        assert got.deviation is not None and got.deviation.total == 1
-        assert sum(len(r) for r in picked.values()) == 3 and 2 in picked[1]
-    assert resolve_probe(uncut, one).num_rows > got.num_rows
-    flat = [None if c.variant is None else [1.0] * c.slot.num_tokens for c in cut.chunks]
-    assert resolve_probe(cut, flat).rows() == resolve_probe(uncut, flat).rows()
 
 
 @pytest.mark.parametrize("share", [0.5, 1.0])

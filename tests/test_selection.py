@@ -72,12 +72,8 @@ CONFIGS: dict[str, dict[str, Any]] = {  # ReuseConfig fields and the cachecraft 
     "sink-judged": {"probe_sink_kept": False},
     "blend": {"probe_blend": 0.5, "probe_check_score": "deviation"},
     "need-no-check": {"probe_split": "need", "probe_check": 0.0, "focus_threshold": 0.0},
-    "coverage": {"probe_coverage": 0.5},
-    "coverage-no-check": {"probe_coverage": 0.3, "probe_check": 0.0},
-    "need-coverage": {"probe_split": "need", "probe_coverage": 0.7, "focus_threshold": 0.1},
-    "chunk-coverage": {"probe_split": "chunk", "probe_coverage": 0.5},  # no cut per chunk
     "floor": {"probe_check_floor": 0.5},
-    "floor-coverage": {"probe_check_floor": 0.3, "probe_coverage": 0.6, "probe_sink": 0},
+    "floor-no-sink": {"probe_check_floor": 0.3, "probe_sink": 0},
     "chunk-floor": {"probe_split": "chunk", "probe_check_floor": 0.5},
     "need-floor": {"probe_split": "need", "probe_check_floor": 1.0, "focus_threshold": 0.1},
 }

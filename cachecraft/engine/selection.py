@@ -38,7 +38,7 @@ def select_on_device(
     device = key_mass.device
     num = len(idx)
     if num == 0 or sum(sizes) == 0:
-        return _resolved(plan, idx, [[] for _ in idx], [0] * num, None, probe.total)
+        return _resolved(plan, idx, [[] for _ in idx], [0] * num, None)
     f64 = torch.float64
     att = torch.cat([key_mass[where[i][0] : where[i][1]] for i in idx]).to(f64)  # type: ignore[index]
     sizes_t = torch.tensor(sizes, device=device)
@@ -59,19 +59,16 @@ def select_on_device(
     weight = _weights(plan, idx, att, chunk_of, num)  # per probed chunk, host floats
     eligible = sum(s for s, w in zip(sizes, weight, strict=True) if w > 0)
     order = _global_order(scores, chunk_of, weight, device)
-    total = probe.total
     if probe.split == "chunk":
         counts = [plan.chunks[i].budget for i in idx]
     else:
-        if probe.coverage is not None:
-            total = min(total, _covering(att[order[:eligible]], probe.coverage))
-        counts = _counts(order, chunk_of, num, min(max(total, 0), eligible))
+        counts = _counts(order, chunk_of, num, min(max(probe.total, 0), eligible))
     checked = probe.check > 0 and sum(counts) > 0
     if checked:
         if probe.split == "chunk":
             wide = [math.ceil(probe.check * c - 1e-9) for c in counts]
         else:
-            top = math.ceil(probe.check * total - 1e-9)
+            top = math.ceil(probe.check * probe.total - 1e-9)
             wide = _counts(order, chunk_of, num, min(max(top, 0), eligible))
     take = wide if checked else counts
     if probe.split == "chunk":
@@ -86,7 +83,9 @@ def select_on_device(
     if checked:
         w = torch.tensor(weight, dtype=f64, device=device)[chunk_of[flat]]
         product = (w * judged[flat]) ** power
-        floor = _floor(probe.floor, probe.split, scores, chunk_of, starts, counts, order, total)
+        floor = _floor(
+            probe.floor, probe.split, scores, chunk_of, starts, counts, order, probe.total
+        )
         if floor is not None:
             product = torch.where(floor[flat], torch.full_like(product, FLOOR_WEIGHT), product)
         values = product.tolist()
@@ -100,7 +99,7 @@ def select_on_device(
         offsets.append(offsets_host[at : at + count])
         per_weights.append([] if values is None else values[at : at + count])
         at += count
-    return _resolved(plan, idx, offsets, counts, per_weights if checked else None, total)
+    return _resolved(plan, idx, offsets, counts, per_weights if checked else None)
 
 
 def _scaled(values: torch.Tensor, chunk_of: torch.Tensor, num: int) -> torch.Tensor:
@@ -138,18 +137,6 @@ def _global_order(
     w = torch.tensor(weight, dtype=scores.dtype, device=device)[chunk_of]
     key = torch.where(w > 0, -w * scores, torch.full_like(scores, math.inf))
     return torch.sort(key, stable=True).indices
-
-
-def _covering(ranked: torch.Tensor, coverage: float) -> int:
-    """The fewest leading entries of `ranked` (attention in rank order) reaching `coverage` x
-    their sum (reference: selectors.covering; a cumulative sum adds in order as it does). Its
-    one read-back sizes the picks, as the counts' do."""
-    if ranked.shape[0] == 0:
-        return 0
-    sums = torch.cumsum(ranked, 0)
-    if sums[-1].item() <= 0:
-        return int(ranked.shape[0])
-    return int((sums < coverage * sums[-1]).sum().item()) + 1
 
 
 def _floor(
@@ -203,10 +190,8 @@ def _resolved(
     offsets: list[list[int]],
     counts: list[int],
     weights: list[list[float]] | None,
-    total: int,
 ) -> RecomputePlan:
-    """The plan with the probed chunks' picks (reference: the end of select_by_question);
-    `total`: the budget across chunks the check keeps (after any coverage cut)."""
+    """The plan with the probed chunks' picks (reference: the end of select_by_question)."""
     probe = plan.probe
     assert probe is not None
     chunks = list(plan.chunks)
@@ -230,6 +215,6 @@ def _resolved(
     all_weights: list[tuple[float, ...] | None] = [None] * len(chunks)
     for j, i in enumerate(idx):
         all_weights[i] = tuple(weights[j])
-    kept = None if probe.split == "chunk" else total
-    check = DeviationCheck(probe.check_layer, kept, tuple(all_weights))
+    total = None if probe.split == "chunk" else probe.total
+    check = DeviationCheck(probe.check_layer, total, tuple(all_weights))
     return replace(plan, chunks=tuple(chunks), deviation=check)

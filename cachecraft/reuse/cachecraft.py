@@ -86,9 +86,6 @@ class CachecraftParams(ScoringRules):
     probe_check_floor: float = ranged(0.0, 0.0, 1.0)
     """Share of the budget the check keeps from the top of the probe's ranking whatever it
     measures (ProbeCheck.floor: a hedge toward question relevance alone)."""
-    probe_coverage: float | None = ranged(None, 0.0, 1.0)
-    """The probe's budget is cut to the fewest top-ranked tokens holding this share of the
-    question's attention on the reused tokens (None: the whole CFO budget; ProbeCheck.coverage)."""
     check_alone_layer: int | None = ranged(None, 0)
     """The layer of a check run without a probe (None: probe_check_layer)."""
 
@@ -144,7 +141,6 @@ def make_probe(
         last_row=c.probe_last_row,
         question_rows=question_rows,
         floor=c.probe_check_floor,
-        coverage=c.probe_coverage,
     )
 
 

@@ -220,11 +220,6 @@ class ProbeCheck:
     """With a check: the top ceil(floor x total) tokens of the ranking (per chunk for 'chunk':
     of its budget) get check weight FLOOR_WEIGHT, so the check keeps them whatever it
     measures and ranks only the rest (1.0: the ranking alone decides, as prophet)."""
-    coverage: float | None = None
-    """Splits across chunks: `total` is cut to the fewest top-ranked tokens whose question
-    attention reaches this share of all the probed tokens' attention (None: no cut). The
-    attention left on tokens not recomputed is the probe's prediction of the error left, so
-    a request whose question reads few tokens spends less."""
 
     @property
     def layer_share(self) -> float:

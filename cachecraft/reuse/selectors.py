@@ -94,20 +94,6 @@ def _counts(idx: Sequence[int], ranked: Sequence[tuple[int, int]], total: int) -
     return counts
 
 
-def covering(attention: Sequence[float], coverage: float) -> int:
-    """The fewest leading entries of `attention` (tokens in rank order) whose sum, added in
-    order, reaches `coverage` x the sum of them all, also added in order (so the device's
-    cumulative sum meets the same bound); all of them when that sum is not positive."""
-    running, sums = 0.0, []
-    for a in attention:
-        running += a
-        sums.append(running)
-    if not sums or running <= 0:
-        return len(sums)
-    bound = coverage * running
-    return next(k + 1 for k, v in enumerate(sums) if v >= bound)
-
-
 def _weights(
     plan: RecomputePlan, idx: Sequence[int], att: dict[int, Sequence[float]]
 ) -> dict[int, float]:
@@ -139,9 +125,7 @@ def select_by_question(
                     (early termination, decided before the forward instead of inside it).
     split "global": the top `probe.total` tokens by question attention alone (ProphetKV).
     split "chunk":  each chunk its own planned budget, top tokens by question attention.
-    With `probe.coverage`, a split across chunks spends at most the fewest top-ranked tokens
-    holding that share of the ranked tokens' question attention (`covering`). With
-    `probe.floor`, the check keeps the top of the ranking whatever it measures (FLOOR_WEIGHT).
+    With `probe.floor`, the check keeps the top of the ranking whatever it measures (FLOOR_WEIGHT).
 
     Without a check (`probe.check` 0) those tokens are the plan's (select "planned"). With it,
     the top ceil(check x budget) by the same ranking become candidates (select "deviation"):
@@ -165,20 +149,17 @@ def select_by_question(
     scores = _lift_sinks(base, probe.sink)
     judged = scores if probe.sink_kept else base  # what the check weighs a candidate by
     weight = _weights(plan, idx, att)
-    total = probe.total
     if probe.split == "chunk":
         counts = {i: plan.chunks[i].budget for i in idx}
     else:
         ranked = _ranked(idx, scores, weight)
-        if probe.coverage is not None:
-            total = min(total, covering([att[i][t] for i, t in ranked], probe.coverage))
-        counts = _counts(idx, ranked, total)
+        counts = _counts(idx, ranked, probe.total)
     checked = probe.check > 0 and sum(counts.values()) > 0
     if checked:
         if probe.split == "chunk":
             wide = {i: math.ceil(probe.check * counts[i] - 1e-9) for i in idx}
         else:
-            wide = _counts(idx, ranked, math.ceil(probe.check * total - 1e-9))
+            wide = _counts(idx, ranked, math.ceil(probe.check * probe.total - 1e-9))
     chunks = list(plan.chunks)
     weights: list[tuple[float, ...] | None] = [None] * len(chunks)
     power = probe.check_power if probe.check_score == "product" else 0.0  # 0: deviation alone
@@ -189,7 +170,7 @@ def select_by_question(
                 n = math.ceil(probe.floor * counts[i] - 1e-9)
                 floor.update((i, t) for t in top_scored(scores[i], n))
         else:
-            floor.update(ranked[: math.ceil(probe.floor * total - 1e-9)])
+            floor.update(ranked[: math.ceil(probe.floor * probe.total - 1e-9)])
     for i in idx:
         reason = f"{chunks[i].reason}+{probe.split}"
         if not checked:
@@ -211,7 +192,6 @@ def select_by_question(
         )
     if not checked:
         return replace(plan, chunks=tuple(chunks))
-    check = DeviationCheck(
-        probe.check_layer, None if probe.split == "chunk" else total, tuple(weights)
-    )
+    total = None if probe.split == "chunk" else probe.total
+    check = DeviationCheck(probe.check_layer, total, tuple(weights))
     return replace(plan, chunks=tuple(chunks), deviation=check)
