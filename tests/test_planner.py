@@ -389,3 +389,25 @@ def test_probe_check_floor_keeps_the_top_of_the_ranking(share: float) -> None:
     floored = [w for w in weights if w == FLOOR_WEIGHT]
     assert len(floored) == math.ceil(share * total - 1e-9)
     assert len(weights) > len(floored) and max(w for w in weights if w != FLOOR_WEIGHT) < 1e3
+
+
+def test_probe_whole_focus_keeps_the_most_read_chunk_whole() -> None:
+    """The chunk the question reads most (in sum, not per token) is a candidate and kept at
+    the check whole, ahead of a chunk holding the single most-read token."""
+    base = dict(CONFIG, alpha=4.0, probe_check=3.0, probe_sink=0, probe_max_cost=None)
+    p = plan("cachecraft", config=dict(base, probe_whole_focus=True))
+    assert p.probe is not None and p.probe.whole and p.probe.total >= SIZES["B"]
+    reused = [i for i, c in enumerate(p.chunks) if c.variant is not None]
+    assert 1 in reused and len(reused) > 1
+    att = [
+        None
+        if c.variant is None
+        else [0.3 if i == 1 else (0.9 if t == 0 else 0.0) for t in range(c.slot.num_tokens)]
+        for i, c in enumerate(p.chunks)
+    ]
+    got = resolve_probe(p, att)
+    assert got.deviation is not None and got.deviation.weights is not None
+    b = got.chunks[1]
+    assert set(range(SIZES["B"])) <= set(b.recompute)
+    kept = dict(zip(b.recompute, got.deviation.weights[1] or (), strict=True))
+    assert all(kept[t] == FLOOR_WEIGHT for t in range(SIZES["B"]))

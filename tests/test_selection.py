@@ -76,6 +76,13 @@ CONFIGS: dict[str, dict[str, Any]] = {  # ReuseConfig fields and the cachecraft 
     "floor-no-sink": {"probe_check_floor": 0.3, "probe_sink": 0},
     "chunk-floor": {"probe_split": "chunk", "probe_check_floor": 0.5},
     "need-floor": {"probe_split": "need", "probe_check_floor": 1.0, "focus_threshold": 0.1},
+    "whole": {"probe_whole_focus": True},
+    "whole-floor-judged": {
+        "probe_whole_focus": True,
+        "probe_check_floor": 0.5,
+        "probe_sink_kept": False,
+    },
+    "whole-no-check": {"probe_whole_focus": True, "probe_check": 0.0},  # no effect
 }
 
 

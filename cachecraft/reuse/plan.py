@@ -220,6 +220,10 @@ class ProbeCheck:
     """With a check: the top ceil(floor x total) tokens of the ranking (per chunk for 'chunk':
     of its budget) get check weight FLOOR_WEIGHT, so the check keeps them whatever it
     measures and ranks only the rest (1.0: the ranking alone decides, as prophet)."""
+    whole: bool = False
+    """Split 'global', with a check: the probed chunk the question reads most (its
+    tokens' attention summed) ranks first and is kept whole (up to `total`), as the floor
+    keeps tokens: a partial fix of the chunk that holds the answer can garble it."""
 
     @property
     def layer_share(self) -> float:

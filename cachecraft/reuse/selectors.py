@@ -17,7 +17,13 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from cachecraft.reuse.plan import FLOOR_WEIGHT, ChunkPlan, DeviationCheck, RecomputePlan
+from cachecraft.reuse.plan import (
+    FLOOR_WEIGHT,
+    ChunkPlan,
+    DeviationCheck,
+    ProbeCheck,
+    RecomputePlan,
+)
 
 
 def top_scored(scores: Sequence[float], n: int) -> tuple[int, ...]:
@@ -94,6 +100,17 @@ def _counts(idx: Sequence[int], ranked: Sequence[tuple[int, int]], total: int) -
     return counts
 
 
+def _keeps_whole(probe: ProbeCheck) -> bool:
+    return probe.whole and probe.check > 0 and probe.split == "global"
+
+
+def _focus(idx: Sequence[int], att: dict[int, Sequence[float]]) -> int | None:
+    """The probed chunk with the most question attention (summed in order; ties: the lower
+    chunk); None when there is none."""
+    mass = {i: sum(att[i]) for i in idx}
+    return max(mass, key=lambda i: (mass[i], -i), default=None)
+
+
 def _weights(
     plan: RecomputePlan, idx: Sequence[int], att: dict[int, Sequence[float]]
 ) -> dict[int, float]:
@@ -149,6 +166,10 @@ def select_by_question(
     scores = _lift_sinks(base, probe.sink)
     judged = scores if probe.sink_kept else base  # what the check weighs a candidate by
     weight = _weights(plan, idx, att)
+    focus = _focus(idx, att) if _keeps_whole(probe) else None
+    if focus is not None:
+        lift = 1.0 + max((max(s, default=0.0) for s in scores.values()), default=0.0)
+        scores = {i: [v + lift for v in s] if i == focus else s for i, s in scores.items()}
     if probe.split == "chunk":
         counts = {i: plan.chunks[i].budget for i in idx}
     else:
@@ -170,7 +191,11 @@ def select_by_question(
                 n = math.ceil(probe.floor * counts[i] - 1e-9)
                 floor.update((i, t) for t in top_scored(scores[i], n))
         else:
-            floor.update(ranked[: math.ceil(probe.floor * probe.total - 1e-9)])
+            n = math.ceil(probe.floor * probe.total - 1e-9)
+            floor.update(ranked[:n])
+    if checked and focus is not None:
+        n = min(len(att[focus]), probe.total)
+        floor.update(ranked[:n])
     for i in idx:
         reason = f"{chunks[i].reason}+{probe.split}"
         if not checked:
