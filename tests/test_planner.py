@@ -6,7 +6,6 @@ Layout used throughout: prefix (3 tokens) | A (4) | B (5) | C (3) | question (2)
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ from plan_helpers import make_layout, settings
 
 from cachecraft.errors import BadRequestError
 from cachecraft.reuse.keys import chunk_key, prefix_key
-from cachecraft.reuse.plan import FLOOR_WEIGHT, PromptLayout, RecomputePlan
+from cachecraft.reuse.plan import PromptLayout, RecomputePlan
 from cachecraft.reuse.planner import (
     as_miss,
     choose_variant,
@@ -373,41 +372,3 @@ def test_a_judged_sink_is_a_candidate_weighed_by_its_own_attention() -> None:
     assert plan("cachecraft", config=alone).deviation.sink == 1  # type: ignore[union-attr]
     no_lift = plan("cachecraft", config=dict(alone, probe_sink_kept=False))
     assert no_lift.deviation is not None and no_lift.deviation.sink == 0
-
-
-@pytest.mark.parametrize("share", [0.5, 1.0])
-def test_probe_check_floor_keeps_the_top_of_the_ranking(share: float) -> None:
-    """With attention rising along each chunk, the floor's tokens are the most-read ones and
-    carry FLOOR_WEIGHT at the check (1.0: the whole total, so the ranking alone decides);
-    the other candidates keep their attention weights."""
-    base = dict(CONFIG, alpha=4.0, probe_check=3.0, probe_sink=0, probe_max_cost=None)
-    p = resolved(plan("cachecraft", config=dict(base, probe_check_floor=share)))
-    assert p.deviation is not None and p.deviation.weights is not None
-    total = p.deviation.total
-    assert total is not None and total >= 3
-    weights = [w for ws in p.deviation.weights if ws for w in ws]
-    floored = [w for w in weights if w == FLOOR_WEIGHT]
-    assert len(floored) == math.ceil(share * total - 1e-9)
-    assert len(weights) > len(floored) and max(w for w in weights if w != FLOOR_WEIGHT) < 1e3
-
-
-def test_probe_whole_focus_keeps_the_most_read_chunk_whole() -> None:
-    """The chunk the question reads most (in sum, not per token) is a candidate and kept at
-    the check whole, ahead of a chunk holding the single most-read token."""
-    base = dict(CONFIG, alpha=4.0, probe_check=3.0, probe_sink=0, probe_max_cost=None)
-    p = plan("cachecraft", config=dict(base, probe_whole_focus=True))
-    assert p.probe is not None and p.probe.whole and p.probe.total >= SIZES["B"]
-    reused = [i for i, c in enumerate(p.chunks) if c.variant is not None]
-    assert 1 in reused and len(reused) > 1
-    att = [
-        None
-        if c.variant is None
-        else [0.3 if i == 1 else (0.9 if t == 0 else 0.0) for t in range(c.slot.num_tokens)]
-        for i, c in enumerate(p.chunks)
-    ]
-    got = resolve_probe(p, att)
-    assert got.deviation is not None and got.deviation.weights is not None
-    b = got.chunks[1]
-    assert set(range(SIZES["B"])) <= set(b.recompute)
-    kept = dict(zip(b.recompute, got.deviation.weights[1] or (), strict=True))
-    assert all(kept[t] == FLOOR_WEIGHT for t in range(SIZES["B"]))

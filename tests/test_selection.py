@@ -72,17 +72,6 @@ CONFIGS: dict[str, dict[str, Any]] = {  # ReuseConfig fields and the cachecraft 
     "sink-judged": {"probe_sink_kept": False},
     "blend": {"probe_blend": 0.5, "probe_check_score": "deviation"},
     "need-no-check": {"probe_split": "need", "probe_check": 0.0, "focus_threshold": 0.0},
-    "floor": {"probe_check_floor": 0.5},
-    "floor-no-sink": {"probe_check_floor": 0.3, "probe_sink": 0},
-    "chunk-floor": {"probe_split": "chunk", "probe_check_floor": 0.5},
-    "need-floor": {"probe_split": "need", "probe_check_floor": 1.0, "focus_threshold": 0.1},
-    "whole": {"probe_whole_focus": True},
-    "whole-floor-judged": {
-        "probe_whole_focus": True,
-        "probe_check_floor": 0.5,
-        "probe_sink_kept": False,
-    },
-    "whole-no-check": {"probe_whole_focus": True, "probe_check": 0.0},  # no effect
 }
 
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from cachecraft.reuse.plan import FLOOR_WEIGHT, DeviationCheck, RecomputePlan
+from cachecraft.reuse.plan import DeviationCheck, RecomputePlan
 
 
 def select_on_device(
@@ -56,14 +56,6 @@ def select_on_device(
         lift = 1.0 + scores.max().clamp(min=0.0)
         scores = torch.where(offset < probe.sink, scores + lift, scores)
         judged = scores if probe.sink_kept else judged
-    whole = 0  # tokens of the chunk the question reads most, kept whole (ProbeCheck.whole)
-    if probe.whole and probe.check > 0 and probe.split == "global":
-        mass = torch.zeros(num, dtype=att.dtype, device=device).index_add_(0, chunk_of, att)
-        masses = mass.tolist()
-        focus = max(range(num), key=lambda j: (masses[j], -j))
-        lift = 1.0 + scores.max().clamp(min=0.0)
-        scores = torch.where(chunk_of == focus, scores + lift, scores)
-        whole = min(sizes[focus], probe.total)
     weight = _weights(plan, idx, att, chunk_of, num)  # per probed chunk, host floats
     eligible = sum(s for s, w in zip(sizes, weight, strict=True) if w > 0)
     order = _global_order(scores, chunk_of, weight, device)
@@ -90,13 +82,7 @@ def select_on_device(
     values = None
     if checked:
         w = torch.tensor(weight, dtype=f64, device=device)[chunk_of[flat]]
-        product = (w * judged[flat]) ** power
-        floor = _floor(
-            probe.floor, probe.split, scores, chunk_of, starts, counts, order, probe.total, whole
-        )
-        if floor is not None:
-            product = torch.where(floor[flat], torch.full_like(product, FLOOR_WEIGHT), product)
-        values = product.tolist()
+        values = ((w * judged[flat]) ** power).tolist()
     # the one transfer of the picks to the host, then cut per chunk (no loop over tokens)
     per_chunk = torch.bincount(chunk_of[flat], minlength=num).tolist()
     offsets_host = (flat - starts[chunk_of[flat]]).tolist()
@@ -145,33 +131,6 @@ def _global_order(
     w = torch.tensor(weight, dtype=scores.dtype, device=device)[chunk_of]
     key = torch.where(w > 0, -w * scores, torch.full_like(scores, math.inf))
     return torch.sort(key, stable=True).indices
-
-
-def _floor(
-    share: float,
-    split: str,
-    scores: torch.Tensor,
-    chunk_of: torch.Tensor,
-    starts: torch.Tensor,
-    counts: list[int],
-    order: torch.Tensor,
-    total: int,
-    whole: int,
-) -> torch.Tensor | None:
-    """bool [T]: the tokens the check keeps whatever it measures (reference: the `floor` of
-    select_by_question; `whole`: the focus chunk's tokens, first in `order`); None when there
-    are none."""
-    if split == "chunk":
-        if share <= 0:
-            return None
-        take = [math.ceil(share * c - 1e-9) for c in counts]
-        return _top_per_chunk(scores, chunk_of, starts, take, scores.device)
-    n = max(math.ceil(share * total - 1e-9) if share > 0 else 0, whole)
-    if n <= 0:
-        return None
-    out = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-    out[order[:n]] = True
-    return out
 
 
 def _counts(order: torch.Tensor, chunk_of: torch.Tensor, num: int, n: int) -> list[int]:

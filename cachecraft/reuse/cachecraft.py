@@ -83,11 +83,6 @@ class CachecraftParams(ScoringRules):
     """No probe when its candidates would be every reused token anyway (probe_check x budget
     >= the reused tokens: it would rank nothing out); its cost goes to a check of them all.
     Needs a probe_max_cost (None: always probe)."""
-    probe_check_floor: float = ranged(0.0, 0.0, 1.0)
-    """Share of the budget the check keeps from the top of the probe's ranking whatever it
-    measures (ProbeCheck.floor: a hedge toward question relevance alone)."""
-    probe_whole_focus: bool = False
-    """The chunk the question reads most is recomputed whole within the budget (ProbeCheck.whole)."""
     check_alone_layer: int | None = ranged(None, 0)
     """The layer of a check run without a probe (None: probe_check_layer)."""
 
@@ -142,8 +137,6 @@ def make_probe(
         check_power=c.probe_check_power,
         last_row=c.probe_last_row,
         question_rows=question_rows,
-        floor=c.probe_check_floor,
-        whole=c.probe_whole_focus,
     )
 
 

@@ -171,11 +171,6 @@ class DeviationCheck:
     """The first `sink` tokens of each checked chunk are kept first, whatever their deviation."""
 
 
-FLOOR_WEIGHT = 1e30
-"""A check weight above any question attention: the token ranks first at the check (while its
-K/V deviate at all; finite, so weight x deviation stays finite in float32)."""
-
-
 @dataclass(frozen=True, slots=True)
 class ProbeCheck:
     """A probe pass of the question rows over the spliced (unfixed) cache, before the prefill.
@@ -216,14 +211,6 @@ class ProbeCheck:
     question_rows: int | None = None
     """The probe runs only the question's last `question_rows` rows (None: all of them),
     moved up to follow the context: a trimmed probe, fitted to probe_max_cost."""
-    floor: float = 0.0
-    """With a check: the top ceil(floor x total) tokens of the ranking (per chunk for 'chunk':
-    of its budget) get check weight FLOOR_WEIGHT, so the check keeps them whatever it
-    measures and ranks only the rest (1.0: the ranking alone decides, as prophet)."""
-    whole: bool = False
-    """Split 'global', with a check: the probed chunk the question reads most (its
-    tokens' attention summed) ranks first and is kept whole (up to `total`), as the floor
-    keeps tokens: a partial fix of the chunk that holds the answer can garble it."""
 
     @property
     def layer_share(self) -> float:

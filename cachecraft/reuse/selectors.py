@@ -17,13 +17,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from cachecraft.reuse.plan import (
-    FLOOR_WEIGHT,
-    ChunkPlan,
-    DeviationCheck,
-    ProbeCheck,
-    RecomputePlan,
-)
+from cachecraft.reuse.plan import ChunkPlan, DeviationCheck, RecomputePlan
 
 
 def top_scored(scores: Sequence[float], n: int) -> tuple[int, ...]:
@@ -81,34 +75,21 @@ def _lift_sinks(scores: dict[int, list[float]], sink: int) -> dict[int, list[flo
     return {i: [v + lift if t < sink else v for t, v in enumerate(s)] for i, s in scores.items()}
 
 
-def _ranked(
-    idx: Sequence[int], scores: dict[int, list[float]], weight: dict[int, float]
-) -> list[tuple[int, int]]:
-    """(chunk, offset) of the tokens of chunks of positive weight, by weight x score (ties:
-    lower chunk, then lower offset)."""
-    return sorted(
+def _global_counts(
+    idx: Sequence[int],
+    scores: dict[int, list[float]],
+    weight: dict[int, float],
+    total: int,
+) -> dict[int, int]:
+    """Per chunk, how many of the top `total` tokens of all chunks by weight x score it holds."""
+    ranked = sorted(
         ((i, t) for i in idx if weight[i] > 0 for t in range(len(scores[i]))),
         key=lambda it: (-weight[it[0]] * scores[it[0]][it[1]], it[0], it[1]),
     )
-
-
-def _counts(idx: Sequence[int], ranked: Sequence[tuple[int, int]], total: int) -> dict[int, int]:
-    """Per chunk, how many of the first `total` tokens of `ranked` it holds."""
     counts = dict.fromkeys(idx, 0)
     for i, _ in ranked[: max(total, 0)]:
         counts[i] += 1
     return counts
-
-
-def _keeps_whole(probe: ProbeCheck) -> bool:
-    return probe.whole and probe.check > 0 and probe.split == "global"
-
-
-def _focus(idx: Sequence[int], att: dict[int, Sequence[float]]) -> int | None:
-    """The probed chunk with the most question attention (summed in order; ties: the lower
-    chunk); None when there is none."""
-    mass = {i: sum(att[i]) for i in idx}
-    return max(mass, key=lambda i: (mass[i], -i), default=None)
 
 
 def _weights(
@@ -142,7 +123,6 @@ def select_by_question(
                     (early termination, decided before the forward instead of inside it).
     split "global": the top `probe.total` tokens by question attention alone (ProphetKV).
     split "chunk":  each chunk its own planned budget, top tokens by question attention.
-    With `probe.floor`, the check keeps the top of the ranking whatever it measures (FLOOR_WEIGHT).
 
     Without a check (`probe.check` 0) those tokens are the plan's (select "planned"). With it,
     the top ceil(check x budget) by the same ranking become candidates (select "deviation"):
@@ -166,36 +146,19 @@ def select_by_question(
     scores = _lift_sinks(base, probe.sink)
     judged = scores if probe.sink_kept else base  # what the check weighs a candidate by
     weight = _weights(plan, idx, att)
-    focus = _focus(idx, att) if _keeps_whole(probe) else None
-    if focus is not None:
-        lift = 1.0 + max((max(s, default=0.0) for s in scores.values()), default=0.0)
-        scores = {i: [v + lift for v in s] if i == focus else s for i, s in scores.items()}
     if probe.split == "chunk":
         counts = {i: plan.chunks[i].budget for i in idx}
     else:
-        ranked = _ranked(idx, scores, weight)
-        counts = _counts(idx, ranked, probe.total)
+        counts = _global_counts(idx, scores, weight, probe.total)
     checked = probe.check > 0 and sum(counts.values()) > 0
     if checked:
         if probe.split == "chunk":
             wide = {i: math.ceil(probe.check * counts[i] - 1e-9) for i in idx}
         else:
-            wide = _counts(idx, ranked, math.ceil(probe.check * probe.total - 1e-9))
+            wide = _global_counts(idx, scores, weight, math.ceil(probe.check * probe.total - 1e-9))
     chunks = list(plan.chunks)
     weights: list[tuple[float, ...] | None] = [None] * len(chunks)
     power = probe.check_power if probe.check_score == "product" else 0.0  # 0: deviation alone
-    floor: set[tuple[int, int]] = set()  # kept by the check whatever it measures
-    if checked and probe.floor > 0:
-        if probe.split == "chunk":
-            for i in idx:
-                n = math.ceil(probe.floor * counts[i] - 1e-9)
-                floor.update((i, t) for t in top_scored(scores[i], n))
-        else:
-            n = math.ceil(probe.floor * probe.total - 1e-9)
-            floor.update(ranked[:n])
-    if checked and focus is not None:
-        n = min(len(att[focus]), probe.total)
-        floor.update(ranked[:n])
     for i in idx:
         reason = f"{chunks[i].reason}+{probe.split}"
         if not checked:
@@ -205,9 +168,7 @@ def select_by_question(
             )
             continue
         picked = top_scored(scores[i], wide[i])
-        weights[i] = tuple(
-            FLOOR_WEIGHT if (i, t) in floor else (weight[i] * judged[i][t]) ** power for t in picked
-        )
+        weights[i] = tuple((weight[i] * judged[i][t]) ** power for t in picked)
         chunks[i] = replace(
             chunks[i],
             recompute=picked,
