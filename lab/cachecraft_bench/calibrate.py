@@ -84,11 +84,18 @@ SELECTOR_RULES: dict[str, dict[str, Any]] = {
     "cachecraft-judged": {"probe_sink_kept": False},
     "cachecraft-power1.5": {"probe_check_power": 1.5},
     "cachecraft-judged-power1.5": {"probe_sink_kept": False, "probe_check_power": 1.5},
+    "cachecraft-judged-power1.5-probe": {
+        "probe_sink_kept": False,
+        "probe_check_power": 1.5,
+        "probe_skip_wide": False,
+    },
 }
 """The selector's choices that the tuning set showed to depend on the model (docs/reuse.md),
 each an arm of `cachecraft calibrate --selector` run against the default on the same requests:
-whether the check keeps each chunk's first tokens, and how much the question's attention
-weighs against the K/V deviation in its rank."""
+whether the check keeps each chunk's first tokens, how much the question's attention weighs
+against the K/V deviation in its rank, and whether a probe runs where its candidates would be
+every reused token (the check of every token without it is where the 1.5B's worst answers
+came from)."""
 
 
 def pick_rule(diffs: Mapping[str, Mapping[str, Any]]) -> str | None:
