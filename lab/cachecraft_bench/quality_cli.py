@@ -222,8 +222,8 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
         "--selector",
         action="store_true",
         help="also choose the selector's per-model rules at the chosen alpha (the sink rule, "
-        "the check's attention power): one only when it lowers the TF-KL with a paired CI "
-        "excluding 0; models differ, docs/reuse.md",
+        "the check's attention power, a probe over every reused token): one only when it "
+        "lowers the TF-KL with a paired CI excluding 0; models differ, docs/reuse.md",
     )
     p.set_defaults(func=main_calibrate)
     return p
