@@ -37,6 +37,10 @@ def test_kl_removed_is_one_minus_ratio_of_means() -> None:
     assert r["mean"] == pytest.approx(1 - 0.3 / 1.2)
     assert 0 <= r["ci95"][0] <= r["mean"] <= r["ci95"][1] <= 1
     assert kl_removed(arm, _records([0.0, 0.0, 0.0]))["mean"] is None
+    assert r["worse"] == 0
+    # one request left further off than naive's: counted, whatever the ratio of means says
+    tail = kl_removed(_records([0.1, 0.1, 0.7]), naive)
+    assert tail["worse"] == 1 and tail["mean"] == pytest.approx(1 - 0.9 / 1.2)
 
 
 def test_paired_summary_and_report_refresh(tmp_path: Path) -> None:
@@ -44,7 +48,7 @@ def test_paired_summary_and_report_refresh(tmp_path: Path) -> None:
         "full": _records([0, 0, 0]),
         "cachecraft": _records([0.1, 0.1, 0.2], rouge=0.9),
         "naive": _records([0.4, 0.3, 0.5], rouge=0.5),
-        "epic": _records([0.1, 0.2, 0.2], rouge=0.8),
+        "epic": _records([0.1, 0.2, 0.6], rouge=0.8),
     }
     s = paired_summary(requests)
     assert set(s["arms"]) == {"naive", "epic"}
@@ -59,7 +63,9 @@ def test_paired_summary_and_report_refresh(tmp_path: Path) -> None:
     write_report(refresh(load_results(str(path))), tmp_path)
     report = (tmp_path / "report.md").read_text()
     assert "### Paired with `cachecraft`" in report
-    assert "| epic | +0.0333" in report and "0.67 [" in report
+    assert "| epic | +0.1667" in report and "0.67 [" in report
+    rows = {line.split(" | ")[0]: line for line in report.splitlines() if line.startswith("| ")}
+    assert "| 1/3 |" in rows["| epic"] and "| 0/3 |" in rows["| cachecraft"]  # worse than naive
     path.write_text("{}")
     with pytest.raises(BadRequestError, match="no 'workloads'"):
         load_results(str(path))

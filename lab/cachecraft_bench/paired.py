@@ -55,10 +55,13 @@ def paired_difference(arm: Records, ref: Records, key: str) -> dict[str, Any]:
 def kl_removed(
     arm: Records, naive: Records, key: str = "tf_kl", n_boot: int = 1000, seed: int = 0
 ) -> dict[str, Any]:
-    """1 - mean(arm) / mean(naive) over shared requests, with a bootstrap 95% CI."""
+    """1 - mean(arm) / mean(naive) over shared requests, with a bootstrap 95% CI, and "worse":
+    how many requests the arm left further off than naive reuse (a ratio of means hides
+    them: one such request can set it)."""
     x, y = _aligned(arm, naive, key)
+    worse = int((x > y).sum())
     if x.size == 0 or y.sum() <= 0:
-        return {"mean": None, "ci95": [None, None], "n": int(x.size)}
+        return {"mean": None, "ci95": [None, None], "n": int(x.size), "worse": worse}
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, x.size, size=(n_boot, x.size))
     num, den = x[idx].sum(axis=1), y[idx].sum(axis=1)
@@ -68,6 +71,7 @@ def kl_removed(
         "mean": float(1.0 - x.sum() / y.sum()),
         "ci95": [float(lo), float(hi)],
         "n": int(x.size),
+        "worse": worse,
     }
 
 

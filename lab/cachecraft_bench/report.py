@@ -120,9 +120,9 @@ def paired_table(paired: dict[str, Any]) -> str:
     header = (
         "| arm | "
         + " | ".join(label for _, label, _ in PAIRED_COLUMNS)
-        + f" | {ref} lower TF-KL | naive TF-KL removed | compute |"
+        + f" | {ref} lower TF-KL | naive TF-KL removed | worse than naive | compute |"
     )
-    rows = [header, "|---" * (len(PAIRED_COLUMNS) + 4) + "|"]
+    rows = [header, "|---" * (len(PAIRED_COLUMNS) + 5) + "|"]
     names = [*(paired.get("arms") or {}), *([ref] if ref in removed else [])]
     for name in names:
         diffs = (paired.get("arms") or {}).get(name, {})
@@ -130,6 +130,8 @@ def paired_table(paired: dict[str, Any]) -> str:
         share = (diffs.get("tf_kl") or {}).get("ref_lower")
         cells.append("–" if share is None else f"{share:.0%}")
         cells.append(format_cell(removed.get(name), "{:.2f}"))
+        kept = removed.get(name) or {}
+        cells.append(f"{kept['worse']}/{kept['n']}" if "worse" in kept else "–")
         delta = (diffs.get("flops_fraction") or {}).get("mean")
         cells.append(
             "–" if name == ref else compute_label(delta, 0.0 if delta is not None else None)
@@ -290,7 +292,8 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
                 f"Each Δ is the arm minus `{ref}`, averaged over requests, with a bootstrap 95% "
                 f"CI (a CI that excludes 0 is a real difference). `{ref} lower TF-KL`: share of "
                 "requests where its TF-KL is strictly lower. `naive TF-KL removed`: "
-                "1 - mean(arm TF-KL) / mean(naive TF-KL).",
+                "1 - mean(arm TF-KL) / mean(naive TF-KL). `worse than naive`: requests whose "
+                "TF-KL is above naive reuse's (the tails a ratio of means hides).",
                 "",
                 paired_table(paired),
                 "",
