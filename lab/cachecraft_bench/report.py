@@ -130,8 +130,8 @@ def paired_table(paired: dict[str, Any]) -> str:
         share = (diffs.get("tf_kl") or {}).get("ref_lower")
         cells.append("–" if share is None else f"{share:.0%}")
         cells.append(format_cell(removed.get(name), "{:.2f}"))
-        kept = removed.get(name) or {}
-        cells.append(f"{kept['worse']}/{kept['n']}" if "worse" in kept else "–")
+        gone = removed.get(name) or {}  # results written before the count have no "worse"
+        cells.append(f"{gone['worse']}/{gone['n']}" if "worse" in gone else "–")
         delta = (diffs.get("flops_fraction") or {}).get("mean")
         cells.append(
             "–" if name == ref else compute_label(delta, 0.0 if delta is not None else None)
