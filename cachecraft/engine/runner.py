@@ -322,7 +322,8 @@ class Runner:
             )
             if spans:
                 weights = self._deviation_weights(plan)
-                check = DeviationSelect(spans, plan.deviation.total, weights, plan.deviation.sink)
+                dev = plan.deviation
+                check = DeviationSelect(spans, dev.total, weights, dev.sink, dev.spread)
                 check.prepare(job.rows, job.kv.k.device)  # every row reaches it: no early exit
                 hooks[min(plan.deviation.layer, top)] = check
                 job.work.hooks_need_old = True

@@ -46,9 +46,10 @@ class CachecraftParams(ScoringRules):
     """A reused chunk in front counts in beta only by (1 - its predicted error)."""
     early_termination: bool = True
     """The 'need' split gives chunks below ReuseConfig.focus_threshold nothing (False: all)."""
-    probe_split: Literal["need", "global", "chunk"] = "global"
+    probe_split: Literal["need", "global", "chunk", "whole"] = "global"
     """How the probe spends the budget: top tokens of all reused chunks by question attention
-    ('global'), by predicted error x attention ('need'), or each chunk its own ('chunk')."""
+    ('global'), by predicted error x attention ('need'), each chunk its own ('chunk'), or
+    whole chunks, the one the question reads most first, and no check ('whole')."""
     probe_first_layer: int = ranged(0, 0)
     """First layer whose question attention the probe averages."""
     probe_last_layer: int | None = ranged(None, 0)
@@ -85,6 +86,9 @@ class CachecraftParams(ScoringRules):
     Needs a probe_max_cost (None: always probe)."""
     check_alone_layer: int | None = ranged(None, 0)
     """The layer of a check run without a probe (None: probe_check_layer)."""
+    check_spread: float = ranged(0.0, 0.0, 1.0)
+    """At the check a candidate ranks at least this share of a neighbouring candidate's rank,
+    so the check keeps runs of tokens (a name split into tokens fixed whole, not in part)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -137,6 +141,7 @@ def make_probe(
         check_power=c.probe_check_power,
         last_row=c.probe_last_row,
         question_rows=question_rows,
+        spread=c.check_spread,
     )
 
 
@@ -242,7 +247,8 @@ def _check_instead_of_probe(
         for i, c in enumerate(chunks)
     ]
     sink = p.probe_sink if p.probe_sink_kept else 0
-    check = DeviationCheck(_check_layer(p, inp.num_layers, alone=True), spend, sink=sink)
+    layer = _check_layer(p, inp.num_layers, alone=True)
+    check = DeviationCheck(layer, spend, sink=sink, spread=p.check_spread)
     return make_plan(inp, "cachecraft", out, deviation=check)
 
 

@@ -169,6 +169,8 @@ class DeviationCheck:
     weights: tuple[tuple[float, ...] | None, ...] | None = None
     sink: int = 0
     """The first `sink` tokens of each checked chunk are kept first, whatever their deviation."""
+    spread: float = 0.0
+    """A candidate ranks at least spread x its neighbour's rank in the chunk (0: its own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +182,7 @@ class ProbeCheck:
     `selectors.select_by_question` then spends `total` tokens (see there): "need" ranks
     tokens by the chunk's predicted error x the token's question attention (unfocused chunks
     get none), "global" by question attention alone (ProphetKV's one budget), "chunk" keeps
-    each chunk's planned budget.
+    each chunk's planned budget, "whole" spends it on whole chunks (no check).
     blend: weight of the stored score s(t), added to the question attention (both scaled to
     [0, 1] per chunk), so a zero stored score never zeroes a token's rank.
     check: when > 0, the top ceil(check x total) tokens by that ranking become candidates that
@@ -189,7 +191,7 @@ class ProbeCheck:
     """
 
     total: int
-    split: Literal["need", "global", "chunk"]
+    split: Literal["need", "global", "chunk", "whole"]
     first_layer: int
     last_layer: int
     focus_threshold: float = 0.0
@@ -211,6 +213,8 @@ class ProbeCheck:
     question_rows: int | None = None
     """The probe runs only the question's last `question_rows` rows (None: all of them),
     moved up to follow the context: a trimmed probe, fitted to probe_max_cost."""
+    spread: float = 0.0
+    """The check's `DeviationCheck.spread`."""
 
     @property
     def layer_share(self) -> float:
