@@ -56,15 +56,3 @@ def test_a_sink_keeps_each_spans_first_tokens_then_the_most_deviating() -> None:
     # a total smaller than the sinks keeps the first spans' first tokens only
     keep = DeviationSelect(((10, 12, 0), (12, 14, 0)), total=1, sink=1)(_view(dev))
     assert keep.tolist() == [True, False, False, False]
-
-
-def test_a_spread_keeps_the_neighbours_of_the_most_deviating() -> None:
-    dev = [0.0, 1.0, 8.0, 1.5, 0.0, 3.0]  # positions 10..15
-    alone = DeviationSelect(((10, 16, 3),))(_view(dev))
-    assert alone.tolist() == [False, False, True, True, False, True]
-    # spread 0.5: 11 and 13 rank at least half of 12's, above 15 (3.0 x sqrt(2) each)
-    keep = DeviationSelect(((10, 16, 3),), spread=0.5)(_view(dev))
-    assert keep.tolist() == [False, True, True, True, False, False]
-    # neighbours across two spans do not lift each other: 12 (span 10-13) lifts 11 only
-    keep = DeviationSelect(((10, 13, 0), (13, 16, 0)), total=3, spread=0.5)(_view(dev))
-    assert keep.tolist() == [False, True, True, False, False, True]

@@ -429,8 +429,6 @@ def test_a_probe_that_would_rank_nothing_out_gives_its_rows_to_a_check_of_every_
     assert p.deviation.total == 2 + 2 == a.budget  # the budget plus the probe's rows
     assert p.deviation.layer == 3  # probe_check_layer, unless check_alone_layer says
     assert plan("cachecraft", variants, lay, dict(wide, check_alone_layer=2)).deviation.layer == 2
-    assert p.deviation.spread == 0.0
-    assert plan("cachecraft", variants, lay, dict(wide, check_spread=0.5)).deviation.spread == 0.5
     # a probe whose candidates leave some of A out still runs: 1 x 2 < 4
     narrow = plan("cachecraft", variants, lay, dict(wide, probe_check=1.0))
     assert narrow.probe is not None and narrow.deviation is None

@@ -67,17 +67,12 @@ class DeviationSelect:
     sink: int = 0
     """The first `sink` positions of each span are kept first, whatever their deviation (they
     count in the budget or the total)."""
-    spread: float = 0.0
-    """A candidate ranks at least `spread` x the rank of a candidate next to it in the same
-    span (0: each by its own), so the check keeps runs of neighbouring tokens: a word split
-    into several tokens is fixed whole rather than in part."""
     num_kept: int | None = None
     """Rows the check keeps of the prepared rows (None: not prepared)."""
     _rows: int = 0
     _base: torch.Tensor | None = None  # bool [rows]: kept whatever the ranking
     _picks: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (rows ranked, k)
     _row_weights: torch.Tensor | None = None  # [rows] the weights at the rows' positions
-    _next: torch.Tensor | None = None  # bool [rows - 1]: row i + 1 is row i's neighbour in a span
 
     def prepare(self, rows: torch.Tensor, device: torch.device) -> None:
         """Work out the check for rows (positions [n] ascending, on the host) that all reach
@@ -96,15 +91,6 @@ class DeviationSelect:
         self.num_kept = int(keep.sum()) + sum(k for _, k in self._picks)
         if self.weights is not None:
             self._row_weights = self.weights[rows].to(device)
-        self._next = self._neighbours(rows).to(device) if self.spread > 0 else None
-
-    def _neighbours(self, positions: torch.Tensor) -> torch.Tensor:
-        """bool [n - 1]: rows i and i + 1 are consecutive positions of one span."""
-        span_of = torch.full_like(positions, -1)
-        for j, (start, end, _) in enumerate(self.spans):
-            span_of[_in_span(positions, start, end)] = j
-        same = (span_of[1:] == span_of[:-1]) & (span_of[1:] >= 0)
-        return same & (positions[1:] == positions[:-1] + 1)
 
     def _choices(
         self, positions: torch.Tensor
@@ -141,18 +127,8 @@ class DeviationSelect:
         assert self._base is not None
         if self._row_weights is not None:
             dev = dev.sqrt() * self._row_weights
-        if self._next is not None and dev.shape[0] > 1:
-            dev = self._spread(dev, self._next)
         keep = self._base.clone()
         for ranked, k in self._picks:
             top = torch.topk(dev[ranked], k).indices
             keep[ranked[top]] = True
         return keep
-
-    def _spread(self, rank: torch.Tensor, adjacent: torch.Tensor) -> torch.Tensor:
-        """rank [n] raised to spread x its larger neighbour's (adjacent: bool [n - 1])."""
-        zero = torch.zeros_like(rank[1:])
-        side = torch.zeros_like(rank)
-        side[:-1] = torch.where(adjacent, rank[1:], zero)  # the next row's
-        side[1:] = torch.maximum(side[1:], torch.where(adjacent, rank[:-1], zero))
-        return torch.maximum(rank, self.spread * side)

@@ -322,8 +322,7 @@ class Runner:
             )
             if spans:
                 weights = self._deviation_weights(plan)
-                dev = plan.deviation
-                check = DeviationSelect(spans, dev.total, weights, dev.sink, dev.spread)
+                check = DeviationSelect(spans, plan.deviation.total, weights, plan.deviation.sink)
                 check.prepare(job.rows, job.kv.k.device)  # every row reaches it: no early exit
                 hooks[min(plan.deviation.layer, top)] = check
                 job.work.hooks_need_old = True

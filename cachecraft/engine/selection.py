@@ -193,5 +193,5 @@ def _resolved(
     for j, i in enumerate(idx):
         all_weights[i] = tuple(weights[j])
     total = None if probe.split == "chunk" else probe.total
-    check = DeviationCheck(probe.check_layer, total, tuple(all_weights), spread=probe.spread)
+    check = DeviationCheck(probe.check_layer, total, tuple(all_weights))
     return replace(plan, chunks=tuple(chunks), deviation=check)

@@ -86,9 +86,6 @@ class CachecraftParams(ScoringRules):
     Needs a probe_max_cost (None: always probe)."""
     check_alone_layer: int | None = ranged(None, 0)
     """The layer of a check run without a probe (None: probe_check_layer)."""
-    check_spread: float = ranged(0.0, 0.0, 1.0)
-    """At the check a candidate ranks at least this share of a neighbouring candidate's rank,
-    so the check keeps runs of tokens (a name split into tokens fixed whole, not in part)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -141,7 +138,6 @@ def make_probe(
         check_power=c.probe_check_power,
         last_row=c.probe_last_row,
         question_rows=question_rows,
-        spread=c.check_spread,
     )
 
 
@@ -247,8 +243,7 @@ def _check_instead_of_probe(
         for i, c in enumerate(chunks)
     ]
     sink = p.probe_sink if p.probe_sink_kept else 0
-    layer = _check_layer(p, inp.num_layers, alone=True)
-    check = DeviationCheck(layer, spend, sink=sink, spread=p.check_spread)
+    check = DeviationCheck(_check_layer(p, inp.num_layers, alone=True), spend, sink=sink)
     return make_plan(inp, "cachecraft", out, deviation=check)
 
 

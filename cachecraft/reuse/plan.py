@@ -169,8 +169,6 @@ class DeviationCheck:
     weights: tuple[tuple[float, ...] | None, ...] | None = None
     sink: int = 0
     """The first `sink` tokens of each checked chunk are kept first, whatever their deviation."""
-    spread: float = 0.0
-    """A candidate ranks at least spread x its neighbour's rank in the chunk (0: its own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,8 +211,6 @@ class ProbeCheck:
     question_rows: int | None = None
     """The probe runs only the question's last `question_rows` rows (None: all of them),
     moved up to follow the context: a trimmed probe, fitted to probe_max_cost."""
-    spread: float = 0.0
-    """The check's `DeviationCheck.spread`."""
 
     @property
     def layer_share(self) -> float:

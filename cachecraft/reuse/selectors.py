@@ -204,5 +204,5 @@ def select_by_question(
     if not checked:
         return replace(plan, chunks=tuple(chunks))
     total = None if probe.split == "chunk" else probe.total
-    check = DeviationCheck(probe.check_layer, total, tuple(weights), spread=probe.spread)
+    check = DeviationCheck(probe.check_layer, total, tuple(weights))
     return replace(plan, chunks=tuple(chunks), deviation=check)
