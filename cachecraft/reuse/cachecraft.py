@@ -46,10 +46,9 @@ class CachecraftParams(ScoringRules):
     """A reused chunk in front counts in beta only by (1 - its predicted error)."""
     early_termination: bool = True
     """The 'need' split gives chunks below ReuseConfig.focus_threshold nothing (False: all)."""
-    probe_split: Literal["need", "global", "chunk", "whole"] = "global"
+    probe_split: Literal["need", "global", "chunk"] = "global"
     """How the probe spends the budget: top tokens of all reused chunks by question attention
-    ('global'), by predicted error x attention ('need'), each chunk its own ('chunk'), or
-    whole chunks, the one the question reads most first, and no check ('whole')."""
+    ('global'), by predicted error x attention ('need'), or each chunk its own ('chunk')."""
     probe_first_layer: int = ranged(0, 0)
     """First layer whose question attention the probe averages."""
     probe_last_layer: int | None = ranged(None, 0)
