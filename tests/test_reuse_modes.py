@@ -437,26 +437,6 @@ def test_a_probe_that_would_rank_nothing_out_gives_its_rows_to_a_check_of_every_
     assert alone.probe is not None and alone.deviation is None
 
 
-def test_a_budget_of_whole_chunks_goes_to_whole_chunks_the_most_read_first() -> None:
-    # A (4 tokens) and B (5) stale: budget 2 + 2 = 4 tokens, 0.89 of their mean size (4.5).
-    variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("Y",))]}
-    lay = layout("X", "A", "B")
-    wide = dict(probe_skip_wide=True, probe_max_cost=1.0)  # 3 x 4 >= 9: the probe is skipped
-    assert plan("cachecraft", variants, lay, wide).probe is None
-    assert plan("cachecraft", variants, lay, dict(wide, whole_chunks_at=1.0)).probe is None
-    p = plan("cachecraft", variants, lay, dict(wide, whole_chunks_at=0.5))
-    assert p.probe is not None and p.probe.split == "whole" and p.probe.total == 4
-    # B's content (past its first probe_sink 4 tokens) is read most: 4 of it, none of A
-    r = resolve_probe(p, _att(p, {1: [0.9, 0.0, 0.0, 0.1], 2: [0.0] * 4 + [0.2]}))
-    assert [c.recompute for c in r.chunks[1:]] == [(), (0, 1, 2, 3)]
-    assert r.deviation is None  # no check
-    # ... and a budget past B goes on to A's top tokens (its first ones: the sink ranks first)
-    more = plan("cachecraft", variants, lay, dict(wide, whole_chunks_at=0.5, alpha=0.7))
-    r = resolve_probe(more, _att(more, {1: [0.9, 0.0, 0.0, 0.1], 2: [0.0] * 4 + [0.2]}))
-    assert more.probe is not None and more.probe.total == 6
-    assert [c.recompute for c in r.chunks[1:]] == [(0,), (0, 1, 2, 3, 4)]
-
-
 def test_a_check_without_a_probe_leaves_exact_chunks_alone() -> None:
     # A made after this very prefix (exact here) and B reused after another chunk: the check
     # of every reused token takes B's tokens only (A's K/V are a full prefill's already).

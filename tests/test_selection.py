@@ -19,7 +19,7 @@ from cachecraft.llm import split_settings
 from cachecraft.reuse.cachecraft import CachecraftStrategy
 from cachecraft.reuse.plan import DeviationCheck, RecomputePlan
 from cachecraft.reuse.planner import plan_request
-from cachecraft.reuse.selectors import select_by_question, whole_counts
+from cachecraft.reuse.selectors import select_by_question
 from cachecraft.store.meta import VariantMeta
 
 KEYS = ("A", "B", "C", "D", "E")
@@ -71,7 +71,6 @@ CONFIGS: dict[str, dict[str, Any]] = {  # ReuseConfig fields and the cachecraft 
     "no-sink": {"probe_sink": 0, "probe_check_power": 1.0},
     "sink-judged": {"probe_sink_kept": False},
     "blend": {"probe_blend": 0.5, "probe_check_score": "deviation"},
-    "whole": {"probe_split": "whole"},
     "need-no-check": {"probe_split": "need", "probe_check": 0.0, "focus_threshold": 0.0},
 }
 
@@ -111,32 +110,3 @@ def test_device_selection_checks_its_input() -> None:
     bad[hit] = (bad[hit][0], bad[hit][1] - 1)
     with pytest.raises(ValueError, match="one attention value per token"):
         select_on_device(plan, bad, mass)
-
-
-def test_whole_chunks_go_most_read_first_and_the_rest_to_the_next() -> None:
-    sizes = [4, 3, 5]
-    assert whole_counts([0.1, 0.5, 0.3], sizes, 9) == [1, 3, 5]  # 1, then 2, then 0's top 1
-    assert whole_counts([0.2, 0.2, 0.1], sizes, 5) == [4, 1, 0]  # a tie: the earlier first
-    assert whole_counts([0.1, 0.5, 0.3], sizes, 0) == [0, 0, 0]
-    assert whole_counts([0.1, 0.5, 0.3], sizes, 99) == sizes
-
-
-def test_a_whole_split_fixes_whole_chunks_by_their_content_attention() -> None:
-    checked = 0
-    for seed in range(40):
-        plan, where, mass = _case(seed, {"probe_split": "whole", "probe_sink": 1})
-        if plan.probe is None:
-            continue
-        got = select_on_device(plan, where, mass)
-        assert got.deviation is None  # no check
-        probed = [i for i, c in enumerate(plan.chunks) if c.select == "probe"]
-        sizes = [plan.chunks[i].slot.num_tokens for i in probed]
-        done = [len(got.chunks[i].recompute) for i in probed]
-        assert sum(done) == min(plan.probe.total, sum(sizes))
-        assert sum(0 < d < s for d, s in zip(done, sizes, strict=True)) <= 1  # one part at most
-        content = [float(mass[where[i][0] + 1 : where[i][1]].sum()) for i in probed]
-        fixed = [c for c, d in zip(content, done, strict=True) if d > 0]
-        untouched = [c for c, d in zip(content, done, strict=True) if d == 0]
-        assert min(fixed, default=1e9) >= max(untouched, default=0.0)
-        checked += 1
-    assert checked >= 20

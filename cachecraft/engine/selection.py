@@ -16,7 +16,6 @@ from dataclasses import replace
 import torch
 
 from cachecraft.reuse.plan import DeviationCheck, RecomputePlan
-from cachecraft.reuse.selectors import whole_counts
 
 
 def select_on_device(
@@ -62,13 +61,9 @@ def select_on_device(
     order = _global_order(scores, chunk_of, weight, device)
     if probe.split == "chunk":
         counts = [plan.chunks[i].budget for i in idx]
-    elif probe.split == "whole":
-        content = torch.where(offset >= probe.sink, att, torch.zeros_like(att))
-        masses = torch.zeros(num, dtype=f64, device=device).index_add_(0, chunk_of, content)
-        counts = whole_counts(masses.tolist(), sizes, probe.total)
     else:
         counts = _counts(order, chunk_of, num, min(max(probe.total, 0), eligible))
-    checked = probe.check > 0 and probe.split != "whole" and sum(counts) > 0
+    checked = probe.check > 0 and sum(counts) > 0
     if checked:
         if probe.split == "chunk":
             wide = [math.ceil(probe.check * c - 1e-9) for c in counts]
@@ -76,7 +71,7 @@ def select_on_device(
             top = math.ceil(probe.check * probe.total - 1e-9)
             wide = _counts(order, chunk_of, num, min(max(top, 0), eligible))
     take = wide if checked else counts
-    if probe.split in ("chunk", "whole"):
+    if probe.split == "chunk":
         picked = _top_per_chunk(scores, chunk_of, starts, take, device)  # bool [T]
     else:  # take counts the first sum(take) of `order`, which ranks a chunk's tokens as
         # _top_per_chunk does (by score, ties to the lower offset): those are the picks

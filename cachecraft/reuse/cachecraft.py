@@ -10,8 +10,7 @@ top-ranked run to a check layer where question attention x K/V deviation picks t
 on (selectors.select_by_question). A probe costing more than probe_max_cost x the budget is
 trimmed to the question's last rows that fit (probe_trim) or replaced by a check of every
 reused token at budget + probe cost; so is a probe whose candidates would be every reused token
-anyway (probe_skip_wide: many short chunks), since it would rank nothing out. A budget of
-whole_chunks_at reused chunks or more goes to whole chunks instead (probe split "whole").
+anyway (probe_skip_wide: many short chunks), since it would rank nothing out.
 """
 
 from __future__ import annotations
@@ -47,10 +46,9 @@ class CachecraftParams(ScoringRules):
     """A reused chunk in front counts in beta only by (1 - its predicted error)."""
     early_termination: bool = True
     """The 'need' split gives chunks below ReuseConfig.focus_threshold nothing (False: all)."""
-    probe_split: Literal["need", "global", "chunk", "whole"] = "global"
+    probe_split: Literal["need", "global", "chunk"] = "global"
     """How the probe spends the budget: top tokens of all reused chunks by question attention
-    ('global'), by predicted error x attention ('need'), each chunk its own ('chunk'), or
-    whole chunks, the one the question reads most first, and no check ('whole')."""
+    ('global'), by predicted error x attention ('need'), or each chunk its own ('chunk')."""
     probe_first_layer: int = ranged(0, 0)
     """First layer whose question attention the probe averages."""
     probe_last_layer: int | None = ranged(None, 0)
@@ -87,10 +85,6 @@ class CachecraftParams(ScoringRules):
     Needs a probe_max_cost (None: always probe)."""
     check_alone_layer: int | None = ranged(None, 0)
     """The layer of a check run without a probe (None: probe_check_layer)."""
-    whole_chunks_at: float | None = ranged(None, 0.0)
-    """A budget of at least this many reused chunks (of their mean size) goes to whole chunks,
-    the one the question reads most first, with no check (probe split 'whole'; the probe then
-    always runs): many short chunks fixed whole, not each in part (None: never)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -170,10 +164,8 @@ def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
     if not total:  # nothing to recompute: no probe to steer it
         return make_plan(inp, "cachecraft", [_planned(c) for c in chunks])
     cost = probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers)
-    probed = [c.slot.num_tokens for c in chunks if c.select == "probe"]
-    reused = sum(probed)
-    whole = p.whole_chunks_at is not None and total * len(probed) >= p.whole_chunks_at * reused
-    wide = p.probe_check > 0 and p.probe_check * total >= reused and not whole
+    reused = sum(c.slot.num_tokens for c in chunks if c.select == "probe")
+    wide = p.probe_check > 0 and p.probe_check * total >= reused
     if p.probe_skip_wide and p.probe_max_cost is not None and wide:
         extra = math.ceil(p.probe_skip_share * cost - 1e-9)
         return _check_instead_of_probe(inp, p, chunks, total + extra)
@@ -187,8 +179,7 @@ def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
         left_out = cost - probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers, rows)
         total = min(total + math.ceil(p.probe_skip_share * left_out - 1e-9), reused)
     focus = config.focus_threshold if p.early_termination else 0.0
-    split = "whole" if whole else p.probe_split
-    probe = make_probe(inp, p, total, split, focus, p.probe_check, p.probe_sink, rows)
+    probe = make_probe(inp, p, total, p.probe_split, focus, p.probe_check, p.probe_sink, rows)
     return make_plan(inp, "cachecraft", chunks, probe=probe)
 
 

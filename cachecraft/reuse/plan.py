@@ -180,7 +180,7 @@ class ProbeCheck:
     `selectors.select_by_question` then spends `total` tokens (see there): "need" ranks
     tokens by the chunk's predicted error x the token's question attention (unfocused chunks
     get none), "global" by question attention alone (ProphetKV's one budget), "chunk" keeps
-    each chunk's planned budget, "whole" spends it on whole chunks (no check).
+    each chunk's planned budget.
     blend: weight of the stored score s(t), added to the question attention (both scaled to
     [0, 1] per chunk), so a zero stored score never zeroes a token's rank.
     check: when > 0, the top ceil(check x total) tokens by that ranking become candidates that
@@ -189,7 +189,7 @@ class ProbeCheck:
     """
 
     total: int
-    split: Literal["need", "global", "chunk", "whole"]
+    split: Literal["need", "global", "chunk"]
     first_layer: int
     last_layer: int
     focus_threshold: float = 0.0

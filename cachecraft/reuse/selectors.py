@@ -92,24 +92,6 @@ def _global_counts(
     return counts
 
 
-def whole_counts(masses: Sequence[float], sizes: Sequence[int], total: int) -> list[int]:
-    """Per chunk, its tokens recomputed when `total` goes to whole chunks in the order of their
-    question attention `masses` (ties: the earlier chunk); what is left when the next chunk
-    no longer fits goes to its top tokens."""
-    out = [0] * len(sizes)
-    left = max(total, 0)
-    for j in sorted(range(len(sizes)), key=lambda j: (-masses[j], j)):
-        out[j] = min(sizes[j], left)
-        left -= out[j]
-    return out
-
-
-def _content_mass(att: Sequence[float], sink: int) -> float:
-    """A chunk's question attention past its first `sink` tokens (those draw attention as
-    every cached chunk's sink, whatever it says)."""
-    return float(sum(att[sink:]))
-
-
 def _weights(
     plan: RecomputePlan, idx: Sequence[int], att: dict[int, Sequence[float]]
 ) -> dict[int, float]:
@@ -141,9 +123,6 @@ def select_by_question(
                     (early termination, decided before the forward instead of inside it).
     split "global": the top `probe.total` tokens by question attention alone (ProphetKV).
     split "chunk":  each chunk its own planned budget, top tokens by question attention.
-    split "whole":  `probe.total` on whole chunks, the most read (past their first
-                    `probe.sink` tokens) first; the rest on the next one's top tokens. A
-                    chunk fixed whole is consistent in itself; no check.
 
     Without a check (`probe.check` 0) those tokens are the plan's (select "planned"). With it,
     the top ceil(check x budget) by the same ranking become candidates (select "deviation"):
@@ -169,13 +148,9 @@ def select_by_question(
     weight = _weights(plan, idx, att)
     if probe.split == "chunk":
         counts = {i: plan.chunks[i].budget for i in idx}
-    elif probe.split == "whole":
-        masses = [_content_mass(att[i], probe.sink) for i in idx]
-        sizes = [plan.chunks[i].slot.num_tokens for i in idx]
-        counts = dict(zip(idx, whole_counts(masses, sizes, probe.total), strict=True))
     else:
         counts = _global_counts(idx, scores, weight, probe.total)
-    checked = probe.check > 0 and probe.split != "whole" and sum(counts.values()) > 0
+    checked = probe.check > 0 and sum(counts.values()) > 0
     if checked:
         if probe.split == "chunk":
             wide = {i: math.ceil(probe.check * counts[i] - 1e-9) for i in idx}

@@ -89,19 +89,13 @@ SELECTOR_RULES: dict[str, dict[str, Any]] = {
         "probe_check_power": 1.5,
         "probe_skip_wide": False,
     },
-    "cachecraft-judged-power1.5-whole": {
-        "probe_sink_kept": False,
-        "probe_check_power": 1.5,
-        "whole_chunks_at": 2.0,
-    },
 }
 """The selector's choices that the tuning set showed to depend on the model (docs/reuse.md),
 each an arm of `cachecraft calibrate --selector` run against the default on the same requests:
 whether the check keeps each chunk's first tokens, how much the question's attention weighs
-against the K/V deviation in its rank, whether a probe runs where its candidates would be
+against the K/V deviation in its rank, and whether a probe runs where its candidates would be
 every reused token (the check of every token without it is where the 1.5B's worst answers
-came from), and whether a budget of two or more reused chunks goes to whole chunks (the
-1.5B's many short chunks kept their answers whole; the 135M's lost)."""
+came from)."""
 
 
 def pick_rule(diffs: Mapping[str, Mapping[str, Any]]) -> str | None:

@@ -95,7 +95,6 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "cachecraft-probe-at-budget": {"probe_max_cost": 1.0},
     "cachecraft-skip-at-budget": {"probe_trim": False, "probe_skip_share": 0.0},
     "cachecraft-no-trim": {"probe_trim": False},
-    "cachecraft-whole-chunks": {"whole_chunks_at": 2.0},
     "cachecraft-trim-save": {"probe_skip_share": 0.0},
     "cachecraft-refresh": {"refresh_error": 0.75},
     "cachecraft-no-inherit": {"inherit_error": False},
