@@ -463,30 +463,6 @@ def test_a_skipped_probe_gives_the_share_of_its_rows_it_is_told_to() -> None:
             plan("cachecraft", variants, lay, dict(probe_skip_share=bad))
 
 
-def test_a_second_stage_takes_its_share_of_the_budget_on_either_path() -> None:
-    # As above: budget 2 over A's 4 tokens and a probe costing 2.0 rows; X, Y computed.
-    lay = layout("X", "A")
-    variants = {"A": [variant("A", ("Y",))]}
-    base = dict(probe_max_cost=None, probe_last_row=0.25)
-    assert plan("cachecraft", variants, lay, base).second is None  # off by default
-    p = plan("cachecraft", variants, lay, dict(base, probe_second=0.5))
-    assert p.probe is not None and p.probe.total == 1
-    assert p.second is not None and (p.second.tokens, p.second.last_row) == (1, 0.25)
-    assert (p.second.first_layer, p.second.last_layer) == (p.probe.first_layer, 29)
-    # the check without a probe: budget + probe rows = 4 = every token of A, so one stage
-    skip = dict(probe_max_cost=0.5, probe_trim=False, probe_second=0.5)
-    everything = plan("cachecraft", variants, lay, skip)
-    assert everything.second is None and everything.deviation.total == 4
-    saved = plan("cachecraft", variants, lay, dict(skip, probe_skip_share=0.5))  # 2 + 1 of 4
-    assert saved.second is not None and saved.second.tokens == 2
-    assert saved.deviation.total == 1 == saved.chunks[1].budget
-    # a budget of one token cannot be split: it stays in the first stage
-    one = plan("cachecraft", variants, lay, dict(base, probe_second=0.5), budgets=[None, 1])
-    assert one.second is None and one.probe.total == 1
-    with pytest.raises(ValueError, match="probe_second"):
-        plan("cachecraft", variants, lay, dict(probe_second=1.5))
-
-
 def test_a_trimmed_probe_runs_the_last_question_rows_that_fit() -> None:
     # As above: budget 2, a 2-row question; at probe_max_cost 0.5 one row fits (cost 1.0).
     lay = layout("X", "A")

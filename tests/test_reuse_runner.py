@@ -296,7 +296,6 @@ TOLD_TO_COMPUTE_EVERYTHING = [
     ("cachecraft", {"probe_blend": 1.0, "probe_last_layer": 1}),
     ("cachecraft", {"probe_depth": 0.5}),
     ("cachecraft", {"probe_max_cost": 0.0}),  # the check instead of the probe
-    ("cachecraft", {"probe_second": 0.5}),  # one stage: the budget is every token
     ("cachecraft-paper", {}),
     ("prophet", {}),
     ("epic", {}),

@@ -136,8 +136,7 @@ class Live:
         max_tokens = min(self.sampling.max_tokens, max_ctx - self.layout.num_tokens + 1)
         self.plan = plan
         self.state = SeqState(self.request_id, self.layout.num_tokens, plan.num_rows, max_tokens)
-        checks = (plan.early_exit, plan.deviation, plan.second)  # each needs the work whole
-        self.state.can_split = all(c is None for c in checks)
+        self.state.can_split = plan.early_exit is None and plan.deviation is None
         self.generator = make_generator(self.sampling)
         eos = () if self.sampling.ignore_eos else runner.loaded.eos_token_ids
         self.stops = frozenset((*eos, *self.sampling.stop_token_ids))
@@ -159,7 +158,7 @@ class Live:
         work = self.job.work
         self.pieces, self.state.num_done_rows = [], 0
         self.state.num_prefill_rows = len(self.job.rows)  # a re-plan may have changed it
-        self.state.can_split = not work.hooks and work.last_layer is None and work.meter is None
+        self.state.can_split = not work.hooks and work.last_layer is None
 
     def ask_logits(self) -> None:
         """Prompt log-probabilities need every prompt row's logits (`keep_prompt_logprobs`)."""
@@ -246,7 +245,7 @@ class Live:
         model = runner.loaded.model
         if self.extras is None:
             self.extras = RequestExtras(
-                job.plan, outcome.rows, outcome.rows_last_layer, outcome.first_logits
+                job.plan, job.rows, outcome.rows_last_layer, outcome.first_logits
             )
             if opts.forced:
                 self.extras.forced_logits = force_tokens(model, job.kv, outcome, list(opts.forced))

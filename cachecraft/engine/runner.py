@@ -27,7 +27,6 @@ from cachecraft.engine.prefix_cache import PrefixCache
 from cachecraft.engine.probe import Probe, ScratchCaches, probe_work, runs_in_place
 from cachecraft.engine.report import ChunkReport, RequestReport
 from cachecraft.engine.retry import again_if_corrupt
-from cachecraft.engine.second_stage import question_meter, run_second_stage
 from cachecraft.engine.selection import select_on_device
 from cachecraft.engine.variants import make_variants
 from cachecraft.errors import BadRequestError, NonFiniteError
@@ -96,10 +95,8 @@ class PrefillOutcome:
     report: RequestReport
     hits: list[tuple[str, float]] = field(default_factory=list)
     misses: list[str] = field(default_factory=list)
-    rows: torch.Tensor | None = None
-    """The prompt positions computed, ascending: PrefillJob.rows and a second stage's."""
     rows_last_layer: torch.Tensor | None = None
-    """Per computed row (`rows`), the last layer it ran through."""
+    """Per computed row (PrefillJob.rows), the last layer it ran through."""
     job: PrefillJob | None = None
     result: SeqResult | None = None
     variants: list[Variant] = field(default_factory=list)
@@ -262,8 +259,6 @@ class Runner:
             plan, kv, work, positions, spliced.t_start, loader=loader, probe_rows=probe_rows
         )
         self._add_stats(job, precompute)
-        if job.work.span_bounds is None:  # a work measures span statistics or a meter
-            job.work.meter = question_meter(plan)
         self._add_hooks(job)
         return job
 
@@ -358,18 +353,12 @@ class Runner:
         require_finite(result.logits[-1])
         plan, layout = job.plan, job.plan.layout
         top = self.loaded.arch.num_layers - 1
-        logits, rows, last = result.logits[-1], job.rows, result.rows_last_layer
-        extra_rows, extra_cost = 0, 0.0
-        if plan.second is not None:
-            two = run_second_stage(self.loaded.model, job.kv, plan, rows, last, result.key_mass)
-            require_finite(two.logits)
-            logits, rows, last = two.logits, two.rows, two.last
-            extra_rows, extra_cost = two.extra_rows, two.extra_cost
+        last = result.rows_last_layer
         chunk_reports, hits, misses = [], [], []
-        tokens_computed = int((rows < layout.prefix_len).sum())
+        tokens_computed = int((job.rows < layout.prefix_len).sum())
         tokens_computed += len(layout.question_ids)
         for cp in plan.chunks:
-            in_chunk = (rows >= cp.slot.start) & (rows < cp.slot.end)
+            in_chunk = (job.rows >= cp.slot.start) & (job.rows < cp.slot.end)
             if cp.select == "deviation":  # CacheBlend: tokens kept past the check layer
                 done = int((in_chunk & (last == top)).sum())
             else:
@@ -388,10 +377,10 @@ class Runner:
             tokens_computed=tokens_computed,
             layer_fraction=float((last + 1).sum()) / total_layers if total_layers else 0.0,
             prefix_cached=layout.prefix_len if plan.prefix_hit else 0,
-            probe_tokens=job.probe_rows + extra_rows,
-            probe_cost=(plan.probe_cost if job.probe_rows else 0.0) + extra_cost,
+            probe_tokens=job.probe_rows,
+            probe_cost=plan.probe_cost if job.probe_rows else 0.0,
         )
-        return PrefillOutcome(logits, report, hits, misses, rows, last, job, result)
+        return PrefillOutcome(result.logits[-1], report, hits, misses, last, job, result)
 
     def variants(self, outcome: PrefillOutcome) -> list[Variant]:
         """The new variants of `outcome` (assembled on the first call) and, once, the computed

@@ -30,14 +30,7 @@ from cachecraft.reuse.modes import (
     mark_exact,
     miss,
 )
-from cachecraft.reuse.plan import (
-    ChunkPlan,
-    DeviationCheck,
-    ProbeCheck,
-    PromptLayout,
-    RecomputePlan,
-    SecondStage,
-)
+from cachecraft.reuse.plan import ChunkPlan, DeviationCheck, ProbeCheck, PromptLayout, RecomputePlan
 from cachecraft.reuse.plan import probe_rows as _probe_rows
 from cachecraft.reuse.selectors import spread_by_size
 from cachecraft.reuse.stats import ScoringRules
@@ -92,10 +85,6 @@ class CachecraftParams(ScoringRules):
     Needs a probe_max_cost (None: always probe)."""
     check_alone_layer: int | None = ranged(None, 0)
     """The layer of a check run without a probe (None: probe_check_layer)."""
-    probe_second: float = ranged(0.0, 0.0, 1.0)
-    """Share of the request's budget kept for a second stage (plan.SecondStage: the question
-    probed again over the fixed cache, its most read tokens not yet recomputed recomputed
-    with it); 0: one stage. Never when the budget is every reused token (a full prefill)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -190,32 +179,8 @@ def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
         left_out = cost - probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers, rows)
         total = min(total + math.ceil(p.probe_skip_share * left_out - 1e-9), reused)
     focus = config.focus_threshold if p.early_termination else 0.0
-    total, second = _second_stage(inp, p, total, reused)
     probe = make_probe(inp, p, total, p.probe_split, focus, p.probe_check, p.probe_sink, rows)
-    return make_plan(inp, "cachecraft", chunks, probe=probe, second=second)
-
-
-def _second_stage(
-    inp: PlanInput, p: CachecraftParams, total: int, reused: int
-) -> tuple[int, SecondStage | None]:
-    """(the first stage's budget, the second stage) out of a request budget `total` over
-    `reused` tokens: probe_second of it kept for the second stage, at least one token left to
-    the first. A budget of every reused token has one stage: a full prefill of the chunks."""
-    if p.probe_second <= 0 or total >= reused or total < 2:
-        return total, None
-    kept = min(math.ceil(p.probe_second * total - 1e-9), total - 1)
-    last = probe_last_layer(p, inp.num_layers)
-    first = min(max(p.probe_first_layer, 0), last)
-    stage = SecondStage(
-        kept,
-        first,
-        last,
-        p.probe_last_row,
-        p.probe_check,
-        _check_layer(p, inp.num_layers),
-        p.probe_check_power,
-    )
-    return total - kept, stage
+    return make_plan(inp, "cachecraft", chunks, probe=probe)
 
 
 def rows_that_fit(
@@ -262,7 +227,7 @@ def _check_instead_of_probe(
     }
     if not sizes:
         return make_plan(inp, "cachecraft", [_planned(c) for c in chunks])
-    spend, second = _second_stage(inp, p, min(spend, sum(sizes.values())), sum(sizes.values()))
+    spend = min(spend, sum(sizes.values()))
     shares = spread_by_size(spend, sizes)  # chunk budgets add up to the check's total
     out = [
         replace(
@@ -278,7 +243,7 @@ def _check_instead_of_probe(
     ]
     sink = p.probe_sink if p.probe_sink_kept else 0
     check = DeviationCheck(_check_layer(p, inp.num_layers, alone=True), spend, sink=sink)
-    return make_plan(inp, "cachecraft", out, deviation=check, second=second)
+    return make_plan(inp, "cachecraft", out, deviation=check)
 
 
 def _check_layer(config: CachecraftParams, num_layers: int, alone: bool = False) -> int:

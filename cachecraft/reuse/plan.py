@@ -220,25 +220,6 @@ class ProbeCheck:
 
 
 @dataclass(frozen=True, slots=True)
-class SecondStage:
-    """A second fix after the prefill (ProphetKV's two stages): the question rows, run again
-    over the cache the first stage fixed, measure their attention on every reused token (at
-    layers first_layer..last_layer, the last row weighing `last_row`); the `tokens` most
-    attended among those the first stage did not recompute are recomputed with the question
-    rows, whose last row gives the first answer token. With `check` > 0 the top `check` x
-    `tokens` of them are candidates run to `check_layer`, where attention ** `check_power` x
-    K/V deviation keeps `tokens` (the first stage's check, on the fixed cache)."""
-
-    tokens: int
-    first_layer: int
-    last_layer: int
-    last_row: float = 0.0
-    check: float = 0.0
-    check_layer: int = 1
-    check_power: float = 1.0
-
-
-@dataclass(frozen=True, slots=True)
 class RecomputePlan:
     """What the runner must do for one request.
 
@@ -247,7 +228,6 @@ class RecomputePlan:
     make_variants: chunks computed in full are offered to the store as variants, and a
                    computed prefix to the prefix cache (off for `full`, the reference).
     early_exit / deviation / probe: in-forward checks (None = off).
-    second:        a second stage after the prefill (None = off).
     measure_stats: the forward collects attention statistics for the new variants (off for
                    `prefix`, which reuses only exact variants and so never reads them: its
                    variants carry placeholder statistics and its prefill pays for none).
@@ -262,7 +242,6 @@ class RecomputePlan:
     deviation: DeviationCheck | None = None
     probe: ProbeCheck | None = None
     measure_stats: bool = True
-    second: SecondStage | None = None
 
     @property
     def is_resolved(self) -> bool:

@@ -64,11 +64,10 @@ def answer_flops(got: Answer, shape: ModelShape) -> float:
     layers = (got.rows_last_layer + 1).cpu().numpy()
     probe = got.plan.probe
     n = got.report.prompt_tokens
-    if got.report.probe_tokens:  # a second stage's rows too: at the probe's depth, or all
-        depth = shape.num_layers if probe is None else probe.last_layer + 1
+    if probe is not None and got.report.probe_tokens:
         probe_rows = np.arange(n - got.report.probe_tokens, n)
         rows = np.concatenate([rows, probe_rows])
-        layers = np.concatenate([layers, np.full(probe_rows.shape, depth)])
+        layers = np.concatenate([layers, np.full(probe_rows.shape, probe.last_layer + 1)])
     return flops_fraction(shape, rows, n, layers)
 
 
