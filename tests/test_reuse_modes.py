@@ -329,6 +329,29 @@ def test_prophet_is_one_global_budget_of_question_attention() -> None:
     assert plan("prophet", {}, lay).probe is None  # nothing reused, nothing to probe
 
 
+def test_attention_alone_is_prophets_rule_at_cachecraft_s_budget() -> None:
+    # No check and no first tokens lifted (the cachecraft-no-check ablation without its sink):
+    # cachecraft recomputes what prophet, given the same total, recomputes; with the sink
+    # lifted each chunk's first tokens go first.
+    lay = layout("X", "A", "B")
+    variants = {"A": [variant("A", ("Y",))], "B": [variant("B", ("C",), cci=0.6)]}
+    rule = dict(alpha=0.6, probe_check=0.0, probe_sink=0, probe_max_cost=None)
+    ours = plan("cachecraft", variants, lay, rule)
+    total = ours.probe.total
+    assert ours.probe.check == 0 and 1 < total < 9  # some of A's and B's 9 tokens, not all
+    theirs = plan(
+        "prophet", variants, lay, dict(probe=CachecraftParams(probe_max_cost=None)),
+        budgets=[None, total, 0],
+    )  # fmt: skip
+    att = {1: [0.0, 0.5, 0.1, 0.0], 2: [0.4, 0.0, 0.2, 0.0, 0.3]}
+    a, b = resolve_probe(ours, _att(ours, att)), resolve_probe(theirs, _att(theirs, att))
+    assert a.deviation is None and b.deviation is None
+    assert [c.recompute for c in a.chunks] == [c.recompute for c in b.chunks]
+    sunk = plan("cachecraft", variants, lay, dict(rule, probe_sink=1))
+    r = resolve_probe(sunk, _att(sunk, att))
+    assert 0 in r.chunks[1].recompute and 0 in r.chunks[2].recompute  # each chunk's first
+
+
 def test_probe_layers_are_clamped() -> None:
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}
