@@ -11,6 +11,7 @@ from cachecraft_bench.chaos import add_bench_chaos_parser
 from cachecraft_bench.chat_bench import add_bench_chat_parser
 from cachecraft_bench.decode_bench import add_bench_decode_parser
 from cachecraft_bench.quality_cli import add_bench_quality_parser, add_calibrate_parser
+from cachecraft_bench.records_cli import add_bench_records_parser
 from cachecraft_bench.report_cli import add_bench_report_parser
 from cachecraft_bench.serve_cli import add_bench_serve_parser
 from cachecraft_bench.store_bench import add_bench_store_parser
@@ -49,9 +50,8 @@ def _bench_model(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `bench` (model | quality | store | serve | decode | chat | report | chaos) and
-    `calibrate`
-    to the `cachecraft` command's subparsers."""
+    """Add `bench` (model | quality | store | serve | decode | chat | report | records | chaos)
+    and `calibrate` to the `cachecraft` command's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     model = bench.add_parser("model", help="our prefill vs HF transformers, side by side")
     model.add_argument("--model", default=None)
@@ -79,6 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         add_bench_decode_parser,
         add_bench_chat_parser,
         add_bench_report_parser,
+        add_bench_records_parser,
         add_bench_chaos_parser,
     ):
         add(bench)
