@@ -80,7 +80,7 @@ def pool_lines(data: dict[str, Any], names: list[str], against: str | None) -> l
             f"  recomputed {_fmt(_mean(records, 'reused_recompute_fraction'))}"
             f" + probe {_fmt(_mean(records, 'probe_fraction'))}"
         )
-        if ref is not None and arm not in (ref, "naive"):
+        if ref is not None and arm != ref:
             d = paired_difference(pooled[ref], records, "tf_kl")
             lo, hi = d["ci95"]
             line += f"  {ref} minus it {_fmt(d['mean'], '+.4f')} [{_fmt(lo, '+.4f')}, {_fmt(hi, '+.4f')}]"
