@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cachecraft.errors import BadRequestError
-from cachecraft_bench.paired import kl_removed, paired_difference
+from cachecraft_bench.paired import kl_removed, paired_summary
 from cachecraft_bench.records import expand, slim
 from cachecraft_bench.report_cli import load_results
 
@@ -66,13 +66,15 @@ def pool_lines(data: dict[str, Any], names: list[str], against: str | None) -> l
     ref = against or next((a for a in pooled if a.startswith("cachecraft")), None)
     if ref is not None and ref not in pooled:
         raise BadRequestError(f"--against {ref!r}: the arms are {sorted(pooled)}")
+    summary = paired_summary(pooled, ref=ref) if ref is not None else {}
+    removed, against_ref = summary.get("kl_removed", {}), summary.get("arms", {})
     lines = [f"{len(pooled['naive'])} requests from {', '.join(names)}"]
     for arm, records in pooled.items():
         line = f"{arm:28s} F1 {_fmt(_mean(records, 'f1'))}"
         if arm in ("full", "naive"):
             lines.append(line)
             continue
-        k = kl_removed(records, pooled["naive"])
+        k = removed.get(arm) or kl_removed(records, pooled["naive"])
         lo, hi = k["ci95"]
         line += (
             f"  removed {_fmt(k['mean'], '.0%')} [{_fmt(lo, '.0%')}, {_fmt(hi, '.0%')}]"
@@ -80,10 +82,12 @@ def pool_lines(data: dict[str, Any], names: list[str], against: str | None) -> l
             f"  recomputed {_fmt(_mean(records, 'reused_recompute_fraction'))}"
             f" + probe {_fmt(_mean(records, 'probe_fraction'))}"
         )
-        if ref is not None and arm != ref:
-            d = paired_difference(pooled[ref], records, "tf_kl")
-            lo, hi = d["ci95"]
-            line += f"  {ref} minus it {_fmt(d['mean'], '+.4f')} [{_fmt(lo, '+.4f')}, {_fmt(hi, '+.4f')}]"
+        if arm in against_ref:  # paired_summary gives arm - ref; printed the other way
+            d = against_ref[arm]["tf_kl"]
+            mean, lo, hi = (None if x is None else -x for x in (d["mean"], *d["ci95"]))
+            line += (
+                f"  {ref} minus it {_fmt(mean, '+.4f')} [{_fmt(hi, '+.4f')}, {_fmt(lo, '+.4f')}]"
+            )
         lines.append(line)
     return lines
 
