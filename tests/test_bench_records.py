@@ -62,6 +62,23 @@ def test_the_records_command_adds_pools_and_refuses_bad_input(
     file = tmp_path / "records.json"
     assert main(["bench", "records", str(file), "--add", f"a={run}", "--add", f"b={run}"]) == 0
     assert set(json.loads(file.read_text())) == {"a", "b"}
+    other = json.loads(json.dumps(results))  # the same requests again, with another arm
+    requests = other["workloads"]["wl"]["requests"]
+    requests["epic-late"] = requests.pop("epic")
+    del requests["cachecraft"]
+    run2 = tmp_path / "later.json"
+    run2.write_text(json.dumps(other))
+    assert main(["bench", "records", str(file), "--add", f"a={run2}"]) == 0
+    arms = json.loads(file.read_text())["a"]["arms"]
+    assert set(arms) == {"full", "naive", "cachecraft", "epic", "epic-late"}
+    assert arms["epic-late"] == arms["epic"]
+    fewer = json.loads(json.dumps(results))  # other requests: the entry is replaced
+    for records in fewer["workloads"]["wl"]["requests"].values():
+        records.pop()
+    run3 = tmp_path / "fewer.json"
+    run3.write_text(json.dumps(fewer))
+    assert main(["bench", "records", str(file), "--add", f"d={run3}", "--add", f"d={run2}"]) == 0
+    assert set(json.loads(file.read_text())["d"]["arms"]) == {"full", "naive", "epic-late"}
     capsys.readouterr()
     assert main(["bench", "records", str(file), "--pool", "a,b", "--against", "epic"]) == 0
     out = capsys.readouterr().out
