@@ -79,6 +79,14 @@ def test_the_records_command_adds_pools_and_refuses_bad_input(
     run3.write_text(json.dumps(fewer))
     assert main(["bench", "records", str(file), "--add", f"d={run3}", "--add", f"d={run2}"]) == 0
     assert set(json.loads(file.read_text())["d"]["arms"]) == {"full", "naive", "epic-late"}
+    changed = json.loads(json.dumps(other))  # the same requests, a naive arm that differs
+    changed["workloads"]["wl"]["requests"]["naive"][0]["tf_kl"] += 1.0
+    run4 = tmp_path / "changed.json"
+    run4.write_text(json.dumps(changed))
+    before = file.read_text()
+    assert main(["bench", "records", str(file), "--add", f"a={run4}"]) == 2
+    assert "other records for ['naive']" in capsys.readouterr().err
+    assert file.read_text() == before
     capsys.readouterr()
     assert main(["bench", "records", str(file), "--pool", "a,b", "--against", "epic"]) == 0
     out = capsys.readouterr().out

@@ -1,10 +1,11 @@
 """`cachecraft bench records FILE`: keep slim per-request records of runs, and pool them.
 
 `--add NAME=RESULTS.json` slims a `bench quality` results.json (records.py) into FILE under
-NAME (one entry per workload: `NAME` when the run has one, `NAME/WORKLOAD` otherwise): an entry
-of that name holding the same requests gains the run's arms (a later run of the same requests
-with another arm; an arm of that name is replaced), one holding other requests is replaced; `--pool NAME,NAME,...` prints, over the named entries'
-requests together, each arm's share of naive reuse's TF-KL removed (bootstrap 95% CI, and how
+NAME (one entry per workload: `NAME` when the run has one, `NAME/WORKLOAD` otherwise). An entry
+of that name holding other requests is replaced; one holding the same requests gains the run's
+other arms (a later run of one more arm), provided the arms both hold agree record by record
+(else the runs differ in code or settings and pooling them would mislead: an error).
+`--pool NAME,NAME,...` prints, over the named entries' requests together, each arm's share of naive reuse's TF-KL removed (bootstrap 95% CI, and how
 many requests it left further off than naive), its mean F1 and what it recomputed, and the
 paired TF-KL difference of `--against` (default: the first cachecraft arm) minus each arm.
 """
@@ -44,6 +45,13 @@ def _add(data: dict[str, Any], spec: str) -> list[str]:
         key = name if len(workloads) == 1 else f"{name}/{workload}"
         old = data.get(key)
         if isinstance(old, dict) and old.get("ids") == entry["ids"]:
+            shared = sorted(set(old["arms"]) & set(entry["arms"]))
+            differ = [arm for arm in shared if old["arms"][arm] != entry["arms"][arm]]
+            if differ:
+                raise BadRequestError(
+                    f"{key} holds these requests with other records for {differ}: "
+                    "another code or settings; add the run under another name"
+                )
             entry = {"ids": entry["ids"], "arms": {**old["arms"], **entry["arms"]}}
         data[key] = entry
         added.append(key)
