@@ -62,6 +62,30 @@ def test_the_records_command_adds_pools_and_refuses_bad_input(
     file = tmp_path / "records.json"
     assert main(["bench", "records", str(file), "--add", f"a={run}", "--add", f"b={run}"]) == 0
     assert set(json.loads(file.read_text())) == {"a", "b"}
+    capsys.readouterr()
+    assert main(["bench", "records", str(file), "--pool", "a,b", "--against", "epic"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("8 requests from a, b")
+    row = next(line for line in out.splitlines() if line.startswith("cachecraft "))
+    assert "worse" in row and "epic minus it" in row
+    for argv, message in (
+        (["--pool", "a,c"], "no entries ['c']"),
+        (["--pool", "a", "--against", "nope"], "--against 'nope'"),
+        (["--add", "a"], "NAME=RESULTS.json"),
+        (["--add", f"c={tmp_path / 'none.json'}"], "does not exist"),
+        ([], "--add NAME=RESULTS.json or --pool"),
+    ):
+        assert main(["bench", "records", str(file), *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_add_joins_the_arms_of_a_later_run_of_the_same_requests(
+    results: dict, tmp_path: Path, capsys
+) -> None:
+    run = tmp_path / "results.json"
+    run.write_text(json.dumps(results))
+    file = tmp_path / "records.json"
+    assert main(["bench", "records", str(file), "--add", f"a={run}"]) == 0
     other = json.loads(json.dumps(results))  # the same requests again, with another arm
     requests = other["workloads"]["wl"]["requests"]
     requests["epic-late"] = requests.pop("epic")
@@ -87,18 +111,3 @@ def test_the_records_command_adds_pools_and_refuses_bad_input(
     assert main(["bench", "records", str(file), "--add", f"a={run4}"]) == 2
     assert "other records for ['naive']" in capsys.readouterr().err
     assert file.read_text() == before
-    capsys.readouterr()
-    assert main(["bench", "records", str(file), "--pool", "a,b", "--against", "epic"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("8 requests from a, b")
-    row = next(line for line in out.splitlines() if line.startswith("cachecraft "))
-    assert "worse" in row and "epic minus it" in row
-    for argv, message in (
-        (["--pool", "a,c"], "no entries ['c']"),
-        (["--pool", "a", "--against", "nope"], "--against 'nope'"),
-        (["--add", "a"], "NAME=RESULTS.json"),
-        (["--add", f"c={tmp_path / 'none.json'}"], "does not exist"),
-        ([], "--add NAME=RESULTS.json or --pool"),
-    ):
-        assert main(["bench", "records", str(file), *argv]) == 2
-        assert message in capsys.readouterr().err

@@ -5,9 +5,10 @@ NAME (one entry per workload: `NAME` when the run has one, `NAME/WORKLOAD` other
 of that name holding other requests is replaced; one holding the same requests gains the run's
 other arms (a later run of one more arm), provided the arms both hold agree record by record
 (else the runs differ in code or settings and pooling them would mislead: an error).
-`--pool NAME,NAME,...` prints, over the named entries' requests together, each arm's share of naive reuse's TF-KL removed (bootstrap 95% CI, and how
-many requests it left further off than naive), its mean F1 and what it recomputed, and the
-paired TF-KL difference of `--against` (default: the first cachecraft arm) minus each arm.
+`--pool NAME,NAME,...` prints, over the named entries' requests together, each arm's share of
+naive reuse's TF-KL removed (bootstrap 95% CI, and how many requests it left further off than
+naive), its mean F1 and what it recomputed, and the paired TF-KL difference of `--against`
+(default: the first cachecraft arm) minus each arm.
 """
 
 from __future__ import annotations
@@ -43,19 +44,23 @@ def _add(data: dict[str, Any], spec: str) -> list[str]:
     added = []
     for workload, entry in workloads.items():
         key = name if len(workloads) == 1 else f"{name}/{workload}"
-        old = data.get(key)
-        if isinstance(old, dict) and old.get("ids") == entry["ids"]:
-            shared = sorted(set(old["arms"]) & set(entry["arms"]))
-            differ = [arm for arm in shared if old["arms"][arm] != entry["arms"][arm]]
-            if differ:
-                raise BadRequestError(
-                    f"{key} holds these requests with other records for {differ}: "
-                    "another code or settings; add the run under another name"
-                )
-            entry = {"ids": entry["ids"], "arms": {**old["arms"], **entry["arms"]}}
-        data[key] = entry
+        data[key] = _joined(data.get(key), entry, key)
         added.append(key)
     return added
+
+
+def _joined(old: Any, entry: dict[str, Any], key: str) -> dict[str, Any]:
+    """`entry`, with the arms of `old` when it holds the same requests (module doc)."""
+    if not isinstance(old, dict) or old.get("ids") != entry["ids"]:
+        return entry
+    shared = sorted(set(old["arms"]) & set(entry["arms"]))
+    differ = [arm for arm in shared if old["arms"][arm] != entry["arms"][arm]]
+    if differ:
+        raise BadRequestError(
+            f"{key} holds these requests with other records for {differ}: "
+            "another code or settings; add the run under another name"
+        )
+    return {"ids": entry["ids"], "arms": {**old["arms"], **entry["arms"]}}
 
 
 def _mean(records: list[dict[str, Any]], key: str) -> float | None:
