@@ -61,6 +61,10 @@ class ReuseConfig:
     """Smallest share of a reused chunk's tokens recomputed."""
     max_fix: float = ranged(1.0, 0.0, 1.0)
     """Largest share of a reused chunk's tokens recomputed."""
+    max_recompute: float | None = ranged(None, 0.0, 1.0)
+    """Largest share of a request's reused tokens its fix spends, the question probe's rows
+    included: a ceiling on the CFO budgets added up (None: none). Budgets a caller gives per
+    chunk are spent as given."""
     focus_threshold: float = ranged(0.05, 0.0)
     """A chunk whose share of the question's attention is below this is not recomputed."""
     refresh_error: float | None = ranged(None, 0.0)

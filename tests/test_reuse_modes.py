@@ -460,6 +460,42 @@ def test_a_probe_that_would_rank_nothing_out_gives_its_rows_to_a_check_of_every_
     assert alone.probe is not None and alone.deviation is None
 
 
+def test_max_recompute_caps_the_budget_and_the_probe_together() -> None:
+    # Budget 2 over A's 4 tokens, a probe of 2 question rows: 4 tokens' worth in all.
+    lay = layout("X", "A")
+    variants = {"A": [variant("A", ("Y",))]}
+    roomy = dict(probe_max_cost=2.0)  # the probe may cost twice its budget: it stays whole
+
+    def spent(p: RecomputePlan) -> tuple[int, float]:
+        total = p.probe.total if p.probe is not None else p.deviation.total
+        return total, p.probe_cost
+
+    assert spent(plan("cachecraft", variants, lay, roomy)) == (2, 2.0)
+    # a ceiling above what the plan spends changes nothing
+    assert plan("cachecraft", variants, lay, dict(roomy, max_recompute=1.0)) == plan(
+        "cachecraft", variants, lay, roomy
+    )
+    # 0.75 of A's 4 tokens is 3: the probe's 2 rows leave 1 token to recompute
+    assert spent(plan("cachecraft", variants, lay, dict(roomy, max_recompute=0.75))) == (1, 2.0)
+    # 0.5 leaves the probe no budget to steer: a check of every token spends the 2 instead
+    half = plan("cachecraft", variants, lay, dict(roomy, max_recompute=0.5))
+    assert half.probe is None and spent(half) == (2, 0.0)
+    assert half.chunks[1].budget == 2 and half.chunks[1].select == "deviation"
+    # 0 recomputes nothing and runs no probe
+    none = plan("cachecraft", variants, lay, dict(roomy, max_recompute=0.0))
+    assert none.probe is None and none.deviation is None and none.chunks[1].budget == 0
+    # a trimmed probe's rows left out go to the budget, within the ceiling: at probe_max_cost
+    # 1.0 and a ceiling of 3, one row fits (cost 1 <= 1 x 1); the row left out makes it 2
+    trimmed = plan("cachecraft", variants, lay, dict(probe_max_cost=1.0, max_recompute=0.75))
+    assert trimmed.probe is not None and trimmed.probe.question_rows == 1
+    assert spent(trimmed) == (2, 1.0)
+    # budgets a caller gives (a matched baseline's, or everything) are spent as given
+    given = plan("cachecraft", variants, lay, dict(roomy, max_recompute=0.25), budgets=[None, 4])
+    assert spent(given) == (4, 2.0)
+    with pytest.raises(ValueError, match="max_recompute"):
+        plan("cachecraft", variants, lay, dict(max_recompute=1.5))
+
+
 def test_a_check_without_a_probe_leaves_exact_chunks_alone() -> None:
     # A made after this very prefix (exact here) and B reused after another chunk: the check
     # of every reused token takes B's tokens only (A's K/V are a full prefill's already).

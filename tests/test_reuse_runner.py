@@ -183,6 +183,23 @@ def test_a_probe_dearer_than_its_budget_is_replaced_by_a_check_of_every_token(
         assert sum(c.tokens_recomputed for c in rep.chunks) == min(spend, reused)
 
 
+def test_max_recompute_bounds_a_real_request_probe_included(tiny_dir: Path) -> None:
+    def run(**kw):
+        llm = LLM(str(tiny_dir), store=MemoryStore(2 << 30, storage_dtype="float32"), **kw)
+        _run(llm, _req([0, 1, 2]), "cachecraft")
+        return _run(llm, _req([2, 1, 0]), "cachecraft").report
+
+    free = dict(focus_threshold=0.0, alpha=2.0, probe_skip_wide=False, probe_max_cost=None)
+    rep = run(**free)
+    reused = sum(c.num_tokens for c in rep.chunks)
+    spent = sum(c.tokens_recomputed for c in rep.chunks) + rep.probe_cost
+    assert spent > 0.5 * reused  # uncapped, this request spends more than the ceiling below
+    capped = run(**free, max_recompute=0.5)
+    recomputed = sum(c.tokens_recomputed for c in capped.chunks)
+    assert capped.probe_tokens > 0  # the probe still runs, paid out of the same ceiling
+    assert 0 < recomputed + capped.probe_cost <= 0.5 * reused
+
+
 def test_a_shallow_probe_costs_its_rows_times_the_layers_it_ran(tiny_dir: Path) -> None:
     store = MemoryStore(2 << 30, storage_dtype="float32")
     llm = LLM(str(tiny_dir), store=store, probe_depth=0.5, probe_skip_wide=False)

@@ -10,7 +10,8 @@ top-ranked run to a check layer where question attention x K/V deviation picks t
 on (selectors.select_by_question). A probe costing more than probe_max_cost x the budget is
 trimmed to the question's last rows that fit (probe_trim) or replaced by a check of every
 reused token at budget + probe cost; so is a probe whose candidates would be every reused token
-anyway (probe_skip_wide: many short chunks), since it would rank nothing out.
+anyway (probe_skip_wide: many short chunks), since it would rank nothing out. A ceiling
+(ReuseConfig.max_recompute) bounds the budget and the probe's rows together.
 """
 
 from __future__ import annotations
@@ -161,23 +162,32 @@ def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
             last = chunks[-1]
             errors[slot.key] = (last.error or 0.0) if last.is_hit else 0.0
     total = _pooled_total(p, chunks)
-    if not total:  # nothing to recompute: no probe to steer it
+    reused = sum(c.slot.num_tokens for c in chunks if c.select == "probe")
+    ceiling = _ceiling(config.max_recompute, chunks, reused)
+    if not total or ceiling == 0:  # nothing to recompute: no probe to steer it
         return make_plan(inp, "cachecraft", [_planned(c) for c in chunks])
     cost = probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers)
-    reused = sum(c.slot.num_tokens for c in chunks if c.select == "probe")
-    wide = p.probe_check > 0 and p.probe_check * total >= reused
+    # the budget if the whole probe runs; without a probe, its cost is spent instead
+    budget = total if ceiling is None else min(total, math.floor(ceiling - cost + 1e-9))
+    instead = total + math.ceil(p.probe_skip_share * cost - 1e-9)
+    instead = instead if ceiling is None else min(instead, ceiling)
+    wide = p.probe_check > 0 and p.probe_check * budget >= reused
     if p.probe_skip_wide and p.probe_max_cost is not None and wide:
-        extra = math.ceil(p.probe_skip_share * cost - 1e-9)
-        return _check_instead_of_probe(inp, p, chunks, total + extra)
+        return _check_instead_of_probe(inp, p, chunks, instead)
     rows = None  # the question rows the probe runs (None: all of them)
-    if p.probe_max_cost is not None and cost > p.probe_max_cost * total:
-        fit = rows_that_fit(inp.layout, inp.prefix_hit, p, inp.num_layers, p.probe_max_cost * total)
-        rows = fit if p.probe_trim else 0
-        if rows < 1:
-            extra = math.ceil(p.probe_skip_share * cost - 1e-9)
-            return _check_instead_of_probe(inp, p, chunks, total + extra)
-        left_out = cost - probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers, rows)
-        total = min(total + math.ceil(p.probe_skip_share * left_out - 1e-9), reused)
+    if budget < 1 or (p.probe_max_cost is not None and cost > p.probe_max_cost * budget):
+        fit = 0  # a ceiling can leave no budget for a whole probe (no cap: budget >= 1)
+        if p.probe_trim and p.probe_max_cost is not None and budget >= 1:
+            room = p.probe_max_cost * budget
+            fit = rows_that_fit(inp.layout, inp.prefix_hit, p, inp.num_layers, room)
+        if fit < 1:
+            return _check_instead_of_probe(inp, p, chunks, instead)
+        rows = fit
+        trimmed = probe_cost(inp.layout, inp.prefix_hit, p, inp.num_layers, rows)
+        budget = min(budget + math.ceil(p.probe_skip_share * (cost - trimmed) - 1e-9), reused)
+        if ceiling is not None:
+            budget = min(budget, math.floor(ceiling - trimmed + 1e-9))
+    total = budget
     focus = config.focus_threshold if p.early_termination else 0.0
     probe = make_probe(inp, p, total, p.probe_split, focus, p.probe_check, p.probe_sink, rows)
     return make_plan(inp, "cachecraft", chunks, probe=probe)
@@ -203,6 +213,14 @@ def _pooled_total(p: CachecraftParams, chunks: Sequence[ChunkPlan]) -> int:
     given = sum(c.budget for c in probed if c.reason == "given")
     cfo = sum((c.cfo or 0.0) * c.slot.num_tokens for c in probed if c.reason == "cfo")
     return given + max(math.ceil(cfo - 1e-9), 0)
+
+
+def _ceiling(share: float | None, chunks: Sequence[ChunkPlan], reused: int) -> int | None:
+    """ReuseConfig.max_recompute in tokens of the `reused` ones, the probe's rows included; None
+    when there is no cap or a caller gave a chunk its budget (given budgets are spent as given)."""
+    if share is None or any(c.reason == "given" for c in chunks if c.select == "probe"):
+        return None
+    return math.floor(share * reused + 1e-9)
 
 
 def _planned(c: ChunkPlan) -> ChunkPlan:
