@@ -187,9 +187,8 @@ def plan_cachecraft(inp: PlanInput, p: CachecraftParams) -> RecomputePlan:
         budget = min(budget + math.ceil(p.probe_skip_share * (cost - trimmed) - 1e-9), reused)
         if ceiling is not None:
             budget = min(budget, math.floor(ceiling - trimmed + 1e-9))
-    total = budget
     focus = config.focus_threshold if p.early_termination else 0.0
-    probe = make_probe(inp, p, total, p.probe_split, focus, p.probe_check, p.probe_sink, rows)
+    probe = make_probe(inp, p, budget, p.probe_split, focus, p.probe_check, p.probe_sink, rows)
     return make_plan(inp, "cachecraft", chunks, probe=probe)
 
 
