@@ -138,3 +138,30 @@ def test_answers_vs_gold_are_paired_with_full() -> None:
     assert vs_full["cachecraft"]["contains"]["mean"] == 0.0
     no_gold = {k: [{**r, "f1": None} for r in v] for k, v in requests.items()}
     assert paired_summary(no_gold)["vs_full"] == {}
+
+
+def test_ttft_over_full_is_a_median_of_per_request_ratios(tmp_path: Path) -> None:
+    def recs(ttft: list[float]) -> list[dict]:
+        return [{"id": f"r{i}", "tf_kl": 0.1, "ttft_ms": t} for i, t in enumerate(ttft)]
+
+    # one long prompt (r3): a ratio of means would follow it, the median of ratios does not
+    requests = {
+        "full": recs([100.0, 200.0, 300.0, 10_000.0]),
+        "naive": recs([10.0, 20.0, 30.0, 1_000.0]),
+        "cachecraft": recs([50.0, 100.0, 150.0, 9_000.0]),
+    }
+    ttft = paired_summary(requests)["ttft_vs_full"]
+    assert set(ttft) == {"naive", "cachecraft"}
+    assert ttft["naive"]["median"] == pytest.approx(0.1) and ttft["naive"]["n"] == 4
+    assert ttft["cachecraft"]["median"] == pytest.approx(0.5)
+    lo, hi = ttft["cachecraft"]["ci95"]
+    assert 0.5 <= lo <= 0.5 <= hi <= 0.9
+    # without the reference arm the ratios are still there, and nothing else is
+    alone = paired_summary({k: v for k, v in requests.items() if k != "cachecraft"})
+    assert set(alone) == {"ttft_vs_full"} and alone["ttft_vs_full"]["naive"]["n"] == 4
+    untimed = {k: [{**r, "ttft_ms": None} for r in v] for k, v in requests.items()}
+    assert paired_summary(untimed)["ttft_vs_full"] == {}
+    workloads = {"w": {"modes": {}, "paired": paired_summary(requests)}}
+    write_report({"config": {}, "workloads": workloads}, tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "| cachecraft | 0.500x [" in report and "| naive | 0.100x [" in report

@@ -75,15 +75,35 @@ def kl_removed(
     }
 
 
+def median_ratio(
+    arm: Records, ref: Records, key: str = "ttft_ms", n_boot: int = 1000, seed: int = 0
+) -> dict[str, Any]:
+    """{"median", "ci95", "n"}: the median over shared requests of arm[key] / ref[key], with a
+    bootstrap 95% CI of that median (a ratio per request, so that one long prompt's time does
+    not outweigh the others')."""
+    x, y = _aligned(arm, ref, key)
+    r = x[y > 0] / y[y > 0]
+    if r.size == 0:
+        return {"median": None, "ci95": [None, None], "n": 0}
+    idx = np.random.default_rng(seed).integers(0, r.size, size=(n_boot, r.size))
+    lo, hi = np.percentile(np.median(r[idx], axis=1), [2.5, 97.5])
+    return {"median": float(np.median(r)), "ci95": [float(lo), float(hi)], "n": int(r.size)}
+
+
 def paired_summary(
     requests: Mapping[str, Records], ref: str = "cachecraft", naive: str = "naive"
 ) -> dict[str, Any]:
     """{"reference": ref, "arms": {arm: {metric: paired_difference}}, "kl_removed": {arm: ...},
-    "vs_full": {arm: {gold metric: paired_difference with full}}} for every arm but `full`
-    and the reference (vs_full: every arm but full, when the requests have gold answers);
-    empty when the reference was not run."""
+    "vs_full": {arm: {gold metric: paired_difference with full}}, "ttft_vs_full": {arm:
+    median_ratio of its TTFT to full's}} for every arm but `full` and the reference (vs_full
+    and ttft_vs_full: every arm but full, when the requests have gold answers / timings); only
+    ttft_vs_full (or nothing) when the reference was not run."""
+    ttft = {}
+    if "full" in requests and any(r.get("ttft_ms") for r in requests["full"]):
+        ttft = {name: median_ratio(requests[name], requests["full"]) for name in requests}
+        ttft.pop("full")
     if ref not in requests:
-        return {}
+        return {"ttft_vs_full": ttft} if ttft else {}
     others = [name for name in requests if name not in ("full", ref)]
     arms = {
         name: {k: paired_difference(requests[name], requests[ref], k) for k in PAIRED_METRICS}
@@ -103,4 +123,10 @@ def paired_summary(
             for name in requests
             if name != "full"
         }
-    return {"reference": ref, "arms": arms, "kl_removed": removed, "vs_full": vs_full}
+    return {
+        "reference": ref,
+        "arms": arms,
+        "kl_removed": removed,
+        "vs_full": vs_full,
+        "ttft_vs_full": ttft,
+    }

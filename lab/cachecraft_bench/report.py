@@ -158,6 +158,18 @@ def gold_table(vs_full: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def ttft_table(ratios: dict[str, Any]) -> str:
+    """Each arm's TTFT over full's on the same requests (`paired.median_ratio`)."""
+    rows = ["| arm | TTFT / full's, median | requests |", "|---|---|---|"]
+    for name, r in ratios.items():
+        cell = "–"
+        if r.get("median") is not None:
+            lo, hi = r["ci95"]
+            cell = f"{r['median']:.3f}x [{lo:.3f}, {hi:.3f}]"
+        rows.append(f"| {name} | {cell} | {r.get('n', 0)} |")
+    return "\n".join(rows)
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "_", name).strip("_") or "workload"
 
@@ -307,6 +319,17 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
                 "the answer as whole words.",
                 "",
                 gold_table(paired["vs_full"]),
+                "",
+            ]
+        if paired.get("ttft_vs_full"):
+            lines += [
+                "### Time to first token over `full`'s, request by request",
+                "",
+                "The median over requests of each arm's TTFT divided by full's on the same "
+                "request, with a bootstrap 95% CI. Timings compare only within one run on a "
+                "machine that ran nothing else.",
+                "",
+                ttft_table(paired["ttft_vs_full"]),
                 "",
             ]
         for path in _plots(name, wl, out_dir):
