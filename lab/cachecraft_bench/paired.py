@@ -100,8 +100,8 @@ def paired_summary(
     ttft_vs_full (or nothing) when the reference was not run."""
     ttft = {}
     if "full" in requests and any(r.get("ttft_ms") for r in requests["full"]):
-        ttft = {name: median_ratio(requests[name], requests["full"]) for name in requests}
-        ttft.pop("full")
+        full = requests["full"]
+        ttft = {name: median_ratio(recs, full) for name, recs in requests.items() if name != "full"}
     if ref not in requests:
         return {"ttft_vs_full": ttft} if ttft else {}
     others = [name for name in requests if name not in ("full", ref)]
