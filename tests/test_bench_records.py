@@ -54,11 +54,17 @@ def test_runs_pool_and_arms_must_hold_the_same_requests(results: dict) -> None:
         slim(broken)
 
 
+@pytest.fixture
+def run(results: dict, tmp_path: Path) -> Path:
+    """`results` written as a run's results.json."""
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    return path
+
+
 def test_the_records_command_adds_pools_and_refuses_bad_input(
-    results: dict, tmp_path: Path, capsys
+    results: dict, run: Path, tmp_path: Path, capsys
 ) -> None:
-    run = tmp_path / "results.json"
-    run.write_text(json.dumps(results))
     file = tmp_path / "records.json"
     assert main(["bench", "records", str(file), "--add", f"a={run}", "--add", f"b={run}"]) == 0
     assert set(json.loads(file.read_text())) == {"a", "b"}
@@ -80,10 +86,8 @@ def test_the_records_command_adds_pools_and_refuses_bad_input(
 
 
 def test_add_joins_the_arms_of_a_later_run_of_the_same_requests(
-    results: dict, tmp_path: Path, capsys
+    results: dict, run: Path, tmp_path: Path, capsys
 ) -> None:
-    run = tmp_path / "results.json"
-    run.write_text(json.dumps(results))
     file = tmp_path / "records.json"
     assert main(["bench", "records", str(file), "--add", f"a={run}"]) == 0
     other = json.loads(json.dumps(results))  # the same requests again, with another arm

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from cachecraft_bench.metrics import summarize
+from cachecraft_bench.metrics import bootstrap_ci, summarize
 
 PAIRED_METRICS: tuple[str, ...] = (
     "tf_kl", "first_token_kl", "rouge_l", "tf_agreement", "computed_fraction", "flops_fraction",
@@ -85,9 +85,8 @@ def median_ratio(
     r = x[y > 0] / y[y > 0]
     if r.size == 0:
         return {"median": None, "ci95": [None, None], "n": 0}
-    idx = np.random.default_rng(seed).integers(0, r.size, size=(n_boot, r.size))
-    lo, hi = np.percentile(np.median(r[idx], axis=1), [2.5, 97.5])
-    return {"median": float(np.median(r)), "ci95": [float(lo), float(hi)], "n": int(r.size)}
+    lo, hi = bootstrap_ci(r, n_boot=n_boot, seed=seed, stat=np.median)
+    return {"median": float(np.median(r)), "ci95": [lo, hi], "n": int(r.size)}
 
 
 def paired_summary(
