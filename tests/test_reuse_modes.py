@@ -366,6 +366,19 @@ def test_probe_layers_are_clamped() -> None:
     assert (p.probe.first_layer, p.probe.last_layer) == (0, 9)
 
 
+def test_probe_from_sets_the_first_measured_layer_not_the_cost() -> None:
+    lay = layout("X", "A")
+    variants = {"A": [variant("A", ("Y",))]}
+    every = plan("cachecraft", variants, lay, dict(probe_from=0.0, probe_max_cost=None))
+    half = plan("cachecraft", variants, lay, dict(probe_from=0.5, probe_max_cost=None))
+    assert (every.probe.first_layer, half.probe.first_layer) == (0, 15)  # 30 layers
+    assert half.probe.last_layer == 29 and half.probe_cost == every.probe_cost  # all still run
+    short = plan("cachecraft", variants, lay, dict(probe_from=0.5, probe_depth=0.3))
+    assert (short.probe.first_layer, short.probe.last_layer) == (8, 8)  # never past the last
+    given = plan("cachecraft", variants, lay, dict(probe_from=0.5, probe_first_layer=3))
+    assert given.probe.first_layer == 3  # an explicit first layer wins
+
+
 def test_probe_depth_sets_the_last_layer_and_the_cost() -> None:
     lay = layout("X", "A")
     variants = {"A": [variant("A", ("Y",))]}

@@ -312,6 +312,7 @@ TOLD_TO_COMPUTE_EVERYTHING = [
     ("cachecraft", {"probe_check_score": "deviation"}),
     ("cachecraft", {"probe_blend": 1.0, "probe_last_layer": 1}),
     ("cachecraft", {"probe_depth": 0.5}),
+    ("cachecraft", {"probe_from": 0.5}),
     ("cachecraft", {"probe_max_cost": 0.0}),  # the check instead of the probe
     ("cachecraft-paper", {}),
     ("prophet", {}),

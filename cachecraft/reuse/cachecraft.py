@@ -50,8 +50,11 @@ class CachecraftParams(ScoringRules):
     probe_split: Literal["need", "global", "chunk"] = "global"
     """How the probe spends the budget: top tokens of all reused chunks by question attention
     ('global'), by predicted error x attention ('need'), or each chunk its own ('chunk')."""
-    probe_first_layer: int = ranged(0, 0)
-    """First layer whose question attention the probe averages."""
+    probe_first_layer: int | None = ranged(None, 0)
+    """First layer whose question attention the probe averages (None: set by probe_from)."""
+    probe_from: float = ranged(0.0, 0.0, 1.0)
+    """Share of the model's layers, the first ones, whose question attention the probe runs
+    but leaves out of its measure when probe_first_layer is None."""
     probe_last_layer: int | None = ranged(None, 0)
     """Last layer the probe runs and averages (None: set by probe_depth)."""
     probe_depth: float = ranged(1.0, 0.0)
@@ -120,7 +123,7 @@ def make_probe(
     tokens lifted in the ranking; `question_rows`: a trimmed probe's rows (None: all)."""
     c = p
     last = probe_last_layer(c, inp.num_layers)
-    first = min(max(c.probe_first_layer, 0), last)
+    first = probe_first_layer(c, inp.num_layers)
     check_layer = _check_layer(c, inp.num_layers)
     return ProbeCheck(
         total=total,
@@ -284,6 +287,15 @@ def probe_cost(
     `config`, in full-depth rows (as RecomputePlan.probe_cost), whether or not a plan runs one."""
     rows = _probe_rows(layout, prefix_hit, question_rows)
     return rows * (probe_last_layer(config, num_layers) + 1) / num_layers
+
+
+def probe_first_layer(config: CachecraftParams, num_layers: int) -> int:
+    """The first layer whose attention the probe measures: probe_first_layer, or the layer
+    after the first probe_from share of the layers, never past the last layer it runs."""
+    first = config.probe_first_layer
+    if first is None:
+        first = math.floor(config.probe_from * num_layers + 1e-9)
+    return min(max(first, 0), probe_last_layer(config, num_layers))
 
 
 def probe_last_layer(config: CachecraftParams, num_layers: int) -> int:
