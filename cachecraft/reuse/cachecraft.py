@@ -121,25 +121,21 @@ def make_probe(
 ) -> ProbeCheck:
     """The probe of a plan run with `p`'s probe settings; `sink`: each probed chunk's first
     tokens lifted in the ranking; `question_rows`: a trimmed probe's rows (None: all)."""
-    c = p
-    last = probe_last_layer(c, inp.num_layers)
-    first = probe_first_layer(c, inp.num_layers)
-    check_layer = _check_layer(c, inp.num_layers)
     return ProbeCheck(
         total=total,
         split=split,  # type: ignore[arg-type]
-        first_layer=first,
-        last_layer=last,
+        first_layer=probe_first_layer(p, inp.num_layers),
+        last_layer=probe_last_layer(p, inp.num_layers),
         focus_threshold=focus,
-        blend=c.probe_blend,
+        blend=p.probe_blend,
         check=check,
-        check_layer=check_layer,
-        check_score=c.probe_check_score,
+        check_layer=_check_layer(p, inp.num_layers),
+        check_score=p.probe_check_score,
         num_layers=inp.num_layers,
         sink=sink,
-        sink_kept=c.probe_sink_kept,
-        check_power=c.probe_check_power,
-        last_row=c.probe_last_row,
+        sink_kept=p.probe_sink_kept,
+        check_power=p.probe_check_power,
+        last_row=p.probe_last_row,
         question_rows=question_rows,
     )
 

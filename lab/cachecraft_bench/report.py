@@ -163,10 +163,10 @@ def ttft_table(ratios: dict[str, Any]) -> str:
     rows = ["| arm | TTFT / full's, median | requests |", "|---|---|---|"]
     for name, r in ratios.items():
         cell = "–"
-        if r.get("median") is not None:
+        if r["median"] is not None:
             lo, hi = r["ci95"]
             cell = f"{r['median']:.3f}x [{lo:.3f}, {hi:.3f}]"
-        rows.append(f"| {name} | {cell} | {r.get('n', 0)} |")
+        rows.append(f"| {name} | {cell} | {r['n']} |")
     return "\n".join(rows)
 
 
